@@ -1,0 +1,54 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+# Everything else here is a step they use, or a convenience.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: run test unit integration crds controlplane cluster-up cluster-down bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+## The control-plane binaries (built once, cached outside the tree).
+controlplane: venv
+	$(PY) -m e2e.build
+
+## The main job: local control plane, CRDs, operator and simulated nodes. Ctrl-C stops all.
+run: controlplane
+	$(PY) -m e2e.devcluster
+
+## Every test: unit tests and tests against the real control plane.
+test: controlplane
+	$(PY) -m pytest -q
+
+unit: venv
+	$(PY) -m pytest -q tests/unit
+
+integration: controlplane
+	$(PY) -m pytest -q tests/integration
+
+## Regenerate crds/ from the API models.
+crds: venv
+	$(VENV)/bin/passthrough crds --out crds
+
+cluster-up: controlplane
+	$(PY) -m e2e.cluster up
+
+cluster-down: venv
+	$(PY) -m e2e.cluster down
+
+## Every benchmark script; each prints its figures.
+bench: controlplane
+	@set -e; for script in e2e/bench/bench_*.py; do \
+		echo "== $$script"; $(PY) $$script; done
+
+clean: cluster-down
+	rm -rf $(VENV) .cluster

@@ -1,0 +1,1 @@
+"""passthrough-operator: PCI and GPU passthrough for KubeVirt virtual machines."""

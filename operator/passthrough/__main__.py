@@ -1,0 +1,5 @@
+import sys
+
+from passthrough.cli import main
+
+sys.exit(main())

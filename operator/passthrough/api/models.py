@@ -1,0 +1,314 @@
+"""The passthrough.io/v1alpha1 API as pydantic models.
+
+These models are the single source of the API: the CRD manifests in `crds/` are generated
+from them (`passthrough crds`), and the agent and operator parse and build objects with them.
+Field names are the API's own (camelCase) so that code and manifests read alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GROUP = "passthrough.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# A DNS-1123 label, the shape of a namespace name.
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+PCI_VENDOR_SELECTOR = r"^[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4}$"
+PCI_ADDRESS = r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$"
+HEX4 = r"^[0-9a-f]{4}$"
+HEX6 = r"^[0-9a-f]{6}$"
+CAMEL_CASE_REASON = r"^[A-Z][A-Za-z0-9]*$"
+
+CONFIG_NAME = "cluster"
+
+
+class APIModel(BaseModel):
+    """Base of every API model: unknown fields are kept (a newer writer may add some)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class Condition(APIModel):
+    """A standard Kubernetes condition (metav1.Condition)."""
+
+    type: str = Field(description="Type of the condition: Ready, Assigned or Attached.")
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(
+        pattern=CAMEL_CASE_REASON,
+        description="Why the condition is in this state, in CamelCase.",
+    )
+    message: str = Field(default="", description="What happened and what to do next.")
+    lastTransitionTime: str = Field(
+        json_schema_extra={"format": "date-time"},
+        description="When the status last changed.",
+    )
+    observedGeneration: int | None = Field(default=None, ge=0)
+
+
+Conditions = Annotated[
+    list[Condition],
+    Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    ),
+]
+
+
+class PCIAttributes(APIModel):
+    """What the node agent read from sysfs and pci.ids for one PCI function."""
+
+    name: str = Field(default="", description="Device name from the node's pci.ids (hex ID when unknown).")
+    vendorName: str = Field(default="", description="Vendor name from the node's pci.ids.")
+    pciAddress: str = Field(pattern=PCI_ADDRESS, description="PCI address, e.g. 0000:3b:00.0.")
+    vendorID: str = Field(pattern=HEX4, description="PCI vendor ID, 4 lowercase hex digits.")
+    deviceID: str = Field(pattern=HEX4, description="PCI device ID, 4 lowercase hex digits.")
+    subsystemVendorID: str = Field(default="", description="PCI subsystem vendor ID.")
+    subsystemDeviceID: str = Field(default="", description="PCI subsystem device ID.")
+    class_: str = Field(alias="class", pattern=HEX6, description="PCI class code, 6 hex digits.")
+    driver: str = Field(default="", description="Kernel driver bound now; empty when none.")
+    iommuGroup: int = Field(default=-1, ge=-1, description="IOMMU group; -1 when none.")
+    numaNode: int = Field(default=-1, ge=-1, description="NUMA node; -1 when none.")
+    nodeName: str = Field(description="Node the device is installed in.")
+
+
+class NodePCIDeviceSpec(APIModel):
+    assignedNamespace: str = Field(
+        default="",
+        max_length=63,
+        description=(
+            "Namespace whose VMs may use this device. Empty: not assigned. "
+            "Setting it creates a PCIDevice of the same name there."
+        ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self == '' || self.matches('{DNS1123_LABEL}')",
+                    "message": (
+                        "must be empty or a namespace name (DNS-1123 label: lowercase "
+                        "letters, digits and '-', starting and ending with a letter or digit)"
+                    ),
+                }
+            ]
+        },
+    )
+
+
+class NodePCIDeviceStatus(APIModel):
+    attributes: PCIAttributes | None = None
+    resourceName: str = Field(
+        default="",
+        description=(
+            "Extended resource the node's device plugin advertises for this device: the GPU "
+            "pool name, or passthrough.io/<name> once assigned; empty when it has none."
+        ),
+    )
+    mode: Literal["", "Pool", "Exclusive"] = Field(
+        default="", description="Pool: shared GPU pool. Exclusive: assigned to one namespace."
+    )
+    eligible: bool = Field(default=False, description="Whether the device can be passed through now.")
+    conditions: Conditions
+
+
+class PCIDeviceStatus(APIModel):
+    attributes: PCIAttributes | None = None
+    nodeName: str = Field(default="", description="Node the device is installed in.")
+    resourceName: str = Field(default="", description="Resource name a VM uses as deviceName.")
+    attachedTo: str = Field(default="", description="VirtualMachine whose spec lists this device.")
+    conditions: Conditions
+
+
+class PciHostDevice(APIModel):
+    """One pciHostDevices entry of KubeVirt's permittedHostDevices."""
+
+    pciVendorSelector: str = Field(
+        pattern=PCI_VENDOR_SELECTOR, description="vendor:device in hex, e.g. 10DE:2236."
+    )
+    resourceName: str = Field(min_length=1, description="Extended resource name, e.g. nvidia.com/GA102GL_A10.")
+    externalResourceProvider: bool = Field(
+        default=True, description="Leave allocation to an external device plugin (ours)."
+    )
+
+
+class MediatedHostDevice(APIModel):
+    """One mediatedDevices entry of KubeVirt's permittedHostDevices."""
+
+    mdevNameSelector: str = Field(min_length=1, description="mdev type name, e.g. 'GRID T4-1Q'.")
+    resourceName: str = Field(min_length=1, description="Extended resource name.")
+    externalResourceProvider: bool = Field(default=True)
+
+
+class PermittedHostDevices(APIModel):
+    pciHostDevices: list[PciHostDevice] = Field(default_factory=list)
+    mediatedDevices: list[MediatedHostDevice] = Field(default_factory=list)
+
+
+class KubeVirtTarget(APIModel):
+    name: str = Field(default="kubevirt", description="Name of the KubeVirt CR to manage.")
+    namespace: str = Field(default="kubevirt", description="Namespace of the KubeVirt CR.")
+    extraFeatureGates: list[str] = Field(
+        default_factory=list, description="Feature gates to enable besides HostDevices."
+    )
+
+
+class GPUValues(APIModel):
+    variant: Literal["default", "vgpu"] = Field(
+        default="default",
+        description="default: PCI passthrough of whole GPUs; vgpu: mediated devices.",
+    )
+    replaceDefaults: bool = Field(
+        default=False, description="Drop the default NVIDIA table instead of appending to it."
+    )
+    permittedHostDevices: PermittedHostDevices = Field(default_factory=PermittedHostDevices)
+
+
+class DeviceSettings(APIModel):
+    notFoundGracePeriodSeconds: int = Field(
+        default=600,
+        ge=0,
+        description=(
+            "How long an assigned device missing from its node keeps its PCIDevice "
+            "(kubelet and plugin restarts hide devices for about a minute, reboots for several)."
+        ),
+    )
+
+
+class PassthroughConfigSpec(APIModel):
+    """The platform values."""
+
+    kubevirt: KubeVirtTarget = Field(default_factory=KubeVirtTarget)
+    gpu: GPUValues = Field(default_factory=GPUValues)
+    devices: DeviceSettings = Field(default_factory=DeviceSettings)
+
+
+class AllowListMismatch(APIModel):
+    """A disagreement between the allow-list and what nodes advertise."""
+
+    resourceName: str
+    pciVendorSelector: str = ""
+    nodeName: str = ""
+    pciAddress: str = ""
+
+
+class PassthroughConfigStatus(APIModel):
+    observedGeneration: int | None = None
+    conditions: Conditions
+    featureGates: list[str] = Field(default_factory=list, description="Feature gates applied.")
+    pciHostDevices: int = Field(default=0, description="pciHostDevices entries applied.")
+    mediatedDevices: int = Field(default=0, description="mediatedDevices entries applied.")
+    warnings: list[str] = Field(default_factory=list)
+    notAdvertised: list[AllowListMismatch] = Field(
+        default_factory=list, description="Allow-listed resource names no node advertises."
+    )
+    notPermitted: list[AllowListMismatch] = Field(
+        default_factory=list, description="GPUs nodes advertise that the allow-list lacks."
+    )
+
+
+@dataclass(frozen=True)
+class Resource:
+    """Metadata of a custom resource kind: what the CRD needs beyond the schema."""
+
+    kind: str
+    plural: str
+    singular: str
+    short_names: list[str]
+    scope: Literal["Cluster", "Namespaced"]
+    spec_model: type[BaseModel] | None
+    status_model: type[BaseModel]
+    printer_columns: list[dict[str, Any]]
+    description: str
+    root_validations: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def crd_name(self) -> str:
+        return f"{self.plural}.{GROUP}"
+
+
+def _condition_column(name: str, type_: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "string",
+        "jsonPath": f'.status.conditions[?(@.type=="{type_}")].status',
+    }
+
+
+_AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+
+NODE_PCI_DEVICE = Resource(
+    kind="NodePCIDevice",
+    plural="nodepcidevices",
+    singular="nodepcidevice",
+    short_names=["npci"],
+    scope="Cluster",
+    spec_model=NodePCIDeviceSpec,
+    status_model=NodePCIDeviceStatus,
+    description="A PCI device of a node, reported by the node's agent; admins assign it to a namespace.",
+    printer_columns=[
+        {"name": "Node", "type": "string", "jsonPath": ".status.attributes.nodeName"},
+        {"name": "Address", "type": "string", "jsonPath": ".status.attributes.pciAddress"},
+        _condition_column("Ready", "Ready"),
+        _condition_column("Assigned", "Assigned"),
+        _condition_column("Attached", "Attached"),
+        {"name": "Namespace", "type": "string", "jsonPath": ".spec.assignedNamespace"},
+        _AGE,
+        {"name": "Vendor", "type": "string", "jsonPath": ".status.attributes.vendorID", "priority": 1},
+        {"name": "Device", "type": "string", "jsonPath": ".status.attributes.deviceID", "priority": 1},
+        {"name": "Class", "type": "string", "jsonPath": ".status.attributes.class", "priority": 1},
+        {"name": "Resource", "type": "string", "jsonPath": ".status.resourceName", "priority": 1},
+        {"name": "Device-Name", "type": "string", "jsonPath": ".status.attributes.name", "priority": 1},
+    ],
+)
+
+PCI_DEVICE = Resource(
+    kind="PCIDevice",
+    plural="pcidevices",
+    singular="pcidevice",
+    short_names=["pci"],
+    scope="Namespaced",
+    spec_model=None,
+    status_model=PCIDeviceStatus,
+    description="A PCI device assigned to this namespace; its VMs reference it by resource name.",
+    printer_columns=[
+        {"name": "Node", "type": "string", "jsonPath": ".status.nodeName"},
+        {"name": "Address", "type": "string", "jsonPath": ".status.attributes.pciAddress"},
+        _condition_column("Attached", "Attached"),
+        _AGE,
+        {"name": "Vendor", "type": "string", "jsonPath": ".status.attributes.vendorID", "priority": 1},
+        {"name": "Device", "type": "string", "jsonPath": ".status.attributes.deviceID", "priority": 1},
+        {"name": "Class", "type": "string", "jsonPath": ".status.attributes.class", "priority": 1},
+        {"name": "Resource", "type": "string", "jsonPath": ".status.resourceName", "priority": 1},
+    ],
+)
+
+PASSTHROUGH_CONFIG = Resource(
+    kind="PassthroughConfig",
+    plural="passthroughconfigs",
+    singular="passthroughconfig",
+    short_names=["ptconfig"],
+    scope="Cluster",
+    spec_model=PassthroughConfigSpec,
+    status_model=PassthroughConfigStatus,
+    description=f"Platform values for PCI and GPU passthrough; a singleton named '{CONFIG_NAME}'.",
+    printer_columns=[
+        {"name": "Variant", "type": "string", "jsonPath": ".spec.gpu.variant"},
+        _condition_column("Applied", "Applied"),
+        {"name": "PCI-Host-Devices", "type": "integer", "jsonPath": ".status.pciHostDevices"},
+        _AGE,
+    ],
+    root_validations=[
+        {
+            "rule": f"self.metadata.name == '{CONFIG_NAME}'",
+            "message": f"there is one PassthroughConfig and it must be named '{CONFIG_NAME}'",
+        }
+    ],
+)
+
+RESOURCES = (NODE_PCI_DEVICE, PCI_DEVICE, PASSTHROUGH_CONFIG)
