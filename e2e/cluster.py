@@ -266,11 +266,13 @@ class LocalCluster:
         self._write_state()
 
     def stop(self, timeout: float = 15) -> None:
-        """Stop every component, newest first; SIGKILL what has not exited in `timeout`."""
+        """Stop every component, newest first; SIGKILL what has not exited in `timeout`.
+
+        One at a time: an API server whose etcd is already gone hangs in its shutdown.
+        """
         for proc in reversed(self.processes):
             _signal(proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in reversed(self.processes):
+            deadline = time.monotonic() + timeout
             while _alive(proc) and time.monotonic() < deadline:
                 time.sleep(0.05)
             if _alive(proc):

@@ -21,14 +21,8 @@ GROUP = "kubevirt.io"
 
 
 def swagger_path() -> Path:
-    """KubeVirt's OpenAPI spec: `$KUBEVIRT_SWAGGER`, the repository's `shared/`, or the one beside it."""
-    candidates = [os.environ.get("KUBEVIRT_SWAGGER", ""), REPO / "shared/kubevirt/swagger.json", REPO.parent / "shared/kubevirt/swagger.json"]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    raise FileNotFoundError(
-        "KubeVirt's swagger.json was not found; set KUBEVIRT_SWAGGER or place it at shared/kubevirt/swagger.json"
-    )
+    """KubeVirt's OpenAPI spec: `$KUBEVIRT_SWAGGER`, else the copy in `e2e/data/`."""
+    return Path(os.environ.get("KUBEVIRT_SWAGGER") or REPO / "e2e/data/kubevirt-swagger.json")
 
 
 # kind, plural, short names, swagger definition, status subresource, namespaced

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +20,21 @@ def _not_implemented(name: str) -> Callable[[argparse.Namespace], int]:
         return EXIT_USAGE
 
     return run
+
+
+def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A command whose code is imported only when it runs, so `--help` stays fast."""
+
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), function)(args)
+
+    return run
+
+
+def _add_host_roots(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sysfs-root", default="/sys", metavar="DIR", help="root of sysfs (default /sys)")
+    p.add_argument("--proc-root", default="/proc", metavar="DIR", help="root of procfs (default /proc)")
+    p.add_argument("--pci-ids", metavar="FILE", help="pci.ids database (default: the host's)")
 
 
 def _cmd_crds(args: argparse.Namespace) -> int:
@@ -43,14 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run the node agent")
     p.set_defaults(func=_not_implemented("agent"))
 
-    p = sub.add_parser("discover", help="print what the agent would report on this host")
-    p.set_defaults(func=_not_implemented("discover"))
+    p = sub.add_parser("discover", help="print what the agent would report on this host (reads sysfs only)")
+    _add_host_roots(p)
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.add_argument("--all", action="store_true", help="also list the devices the agent leaves out (bridges, ...)")
+    p.set_defaults(func=_lazy("passthrough.pci.commands", "discover"))
+
+    p = sub.add_parser("resource-name", help="print the resource name of each VENDOR:DEVICE")
+    p.add_argument("--pci-ids", metavar="FILE", help="pci.ids database (default: the host's)")
+    p.add_argument("ids", nargs="+", metavar="VENDOR:DEVICE", help="PCI IDs in hex, e.g. 10de:2236")
+    p.set_defaults(func=_lazy("passthrough.pci.commands", "resource_name"))
 
     p = sub.add_parser("render", help="print the KubeVirt configuration for a values file")
-    p.set_defaults(func=_not_implemented("render"))
-
-    p = sub.add_parser("resource-name", help="print the resource name of VENDOR:DEVICE IDs")
-    p.set_defaults(func=_not_implemented("resource-name"))
+    p.add_argument("--values", required=True, metavar="FILE", help="platform values (YAML)")
+    p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    p.add_argument("--format", choices=["kubevirt", "cozystack-package"], default="kubevirt")
+    p.set_defaults(func=_lazy("passthrough.kubevirt.commands", "render"))
 
     p = sub.add_parser("crds", help="print the CustomResourceDefinitions (or write them to --out)")
     p.add_argument("--out", metavar="DIR", help="write one manifest per CRD into DIR")
