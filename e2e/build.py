@@ -225,11 +225,13 @@ def build(directory: Path) -> Path:
     for name in BINARIES:
         if not (bin_dir / name).is_file():
             raise BuildError(f"control plane build produced no {name}; see {log_path}")
+    elapsed = time.monotonic() - started
+    (staging / "build-info.json").write_text(json.dumps({"seconds": round(elapsed, 1), "go": _go_version()}))
     (staging / "manifest.json").write_text(json.dumps(_manifest(bin_dir), indent=2))
     if directory.exists():
         shutil.rmtree(directory)
     staging.rename(directory)
-    minutes, seconds = divmod(int(time.monotonic() - started), 60)
+    minutes, seconds = divmod(int(elapsed), 60)
     print(f"[controlplane] built in {minutes}m{seconds:02d}s into {directory}", file=sys.stderr, flush=True)
     return directory / "bin"
 

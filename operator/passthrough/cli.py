@@ -11,15 +11,6 @@ from pathlib import Path
 from passthrough.api import crds
 
 # Exit codes: 0 ok, 1 a runtime failure (cluster unreachable, ...), 2 bad usage or input.
-EXIT_USAGE = 2
-
-
-def _not_implemented(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(f"passthrough {name}: not implemented yet", file=sys.stderr)
-        return EXIT_USAGE
-
-    return run
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -35,6 +26,11 @@ def _add_host_roots(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sysfs-root", default="/sys", metavar="DIR", help="root of sysfs (default /sys)")
     p.add_argument("--proc-root", default="/proc", metavar="DIR", help="root of procfs (default /proc)")
     p.add_argument("--pci-ids", metavar="FILE", help="pci.ids database (default: the host's)")
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, else $KUBECONFIG)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def _cmd_crds(args: argparse.Namespace) -> int:
@@ -54,10 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("operator", help="run the operator (Kopf)")
-    p.set_defaults(func=_not_implemented("operator"))
+    p.add_argument(
+        "--not-found-grace",
+        default="10m",
+        metavar="DURATION",
+        help="how long an assigned device missing from its node keeps its PCIDevice, unless the "
+        "PassthroughConfig sets devices.notFoundGracePeriodSeconds (default 10m)",
+    )
+    p.add_argument("--workers", type=int, default=16, help="devices reconciled in parallel (default 16)")
+    p.add_argument("--liveness", default="", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    _add_client_flags(p)
+    p.set_defaults(func=_lazy("passthrough.controller.main", "run"))
 
     p = sub.add_parser("agent", help="run the node agent")
-    p.set_defaults(func=_not_implemented("agent"))
+    p.add_argument("--node-name", default="", help="this node's name (default: $NODE_NAME)")
+    _add_host_roots(p)
+    p.add_argument("--rescan-interval", default="5m", metavar="DURATION", help="periodic rescan (default 5m)")
+    p.add_argument("--no-hotplug", dest="hotplug", action="store_false", help="do not listen for kernel hotplug events")
+    _add_client_flags(p)
+    p.set_defaults(func=_lazy("passthrough.agent.main", "run"))
 
     p = sub.add_parser("discover", help="print what the agent would report on this host (reads sysfs only)")
     _add_host_roots(p)

@@ -1,0 +1,95 @@
+"""Helpers for tests and benchmarks against the local control plane.
+
+`report_device` writes a NodePCIDevice exactly as a node agent does (same functions, same
+field manager), for tests of the operator that need many devices without sysfs trees.
+`write_counts` reads the API server's own request counters, so "no write" is measured where
+it matters, not inside the code under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from passthrough.agent import report
+from passthrough.api.models import NODE_PCI_DEVICE
+from passthrough.k8s import AGENT_MANAGER, Custom
+from passthrough.pci.discovery import Device
+
+WRITE_VERBS = ("APPLY", "PATCH", "POST", "PUT", "DELETE")
+_METRIC = re.compile(r'^apiserver_request_total\{([^}]*)\} (\S+)$')
+
+
+async def write_counts(api: client.ApiClient) -> Counter:
+    """Writes the API server has served so far, by (resource, verb)."""
+    text = await _raw(api, "/metrics")
+    counts: Counter = Counter()
+    for line in text.splitlines():
+        match = _METRIC.match(line)
+        if not match:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if labels.get("verb") in WRITE_VERBS:
+            counts[(labels.get("resource", ""), labels["verb"])] += int(float(match.group(2)))
+    return counts
+
+
+def writes_between(before: Counter, after: Counter, *resources: str) -> int:
+    return sum(v - before.get(k, 0) for k, v in after.items() if not resources or k[0] in resources)
+
+
+async def _raw(api: client.ApiClient, path: str) -> str:
+    response = await api.call_api(path, "GET", auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
+    return (await response.read()).decode()
+
+
+async def ensure_node(api: client.ApiClient, name: str) -> report.Node:
+    core = client.CoreV1Api(api)
+    try:
+        node = await core.read_node(name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        node = await core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=name)))
+    return report.Node(name=name, uid=node.metadata.uid)
+
+
+def gpu(address: str, vendor: str = "10de", device: str = "2236", name: str = "GA102GL [A10]", resource: str = "nvidia.com/GA102GL_A10") -> Device:
+    return Device(
+        address=address, vendor_id=vendor, device_id=device, subsystem_vendor_id="10de", subsystem_device_id="1482",
+        class_code="030200", driver="vfio-pci", iommu_group=int(address.split(":")[1], 16), numa_node=0,
+        vendor_name="NVIDIA Corporation", name=name, resource_name=resource, eligible=True, reason="", reported=True,
+    )
+
+
+async def report_device(api: client.ApiClient, node: report.Node, device: Device, missing: bool = False) -> str:
+    """Write the NodePCIDevice for `device` as the node's agent would; returns its name."""
+    kind = Custom(api, NODE_PCI_DEVICE.plural)
+    name = report.object_name(device, node.name)
+    live = await kind.get(name)
+    if live is None or not report.has_identity(live, node):
+        live = await kind.apply(report.identity(name, node), AGENT_MANAGER)
+    assigned = (live.get("spec") or {}).get("assignedNamespace", "")
+    desired = report.missing_status(live, node.name) if missing else report.present_status(device, name, node.name, assigned)
+    if report.changed(desired, live):
+        await kind.apply(report.status_body(name, desired, live), AGENT_MANAGER, status=True)
+    return name
+
+
+async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 30, interval: float = 0.1, what: str = "") -> Any:
+    """Poll an async predicate until it returns something truthy; raise with `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}")
+        await asyncio.sleep(interval)

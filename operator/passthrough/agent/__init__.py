@@ -1,0 +1,1 @@
+"""The node agent: discovery, NodePCIDevice reporting, hotplug."""

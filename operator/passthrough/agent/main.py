@@ -1,0 +1,69 @@
+"""`passthrough agent`: connect, check, and run the scan loop until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from passthrough.agent import uevent
+from passthrough.agent.loop import Agent, AgentError
+from passthrough.durations import DurationError, parse_duration
+from passthrough.k8s import connect
+from passthrough.pci.pciids import PciIds
+
+log = logging.getLogger("passthrough.agent")
+
+
+async def _main(args: argparse.Namespace, rescan: float) -> int:
+    api = await connect(args.kubeconfig)
+    try:
+        agent = Agent(
+            api,
+            node_name=args.node_name,
+            sysfs_root=Path(args.sysfs_root),
+            proc_root=Path(args.proc_root),
+            pci_ids=PciIds.load(args.pci_ids),
+            rescan_interval=rescan,
+        )
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, agent.trigger)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [asyncio.create_task(agent.run(), name="agent")]
+        if args.hotplug:
+            tasks.append(asyncio.create_task(uevent.listen(agent.trigger), name="uevents"))
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([tasks[0], stopper], return_when=asyncio.FIRST_COMPLETED)
+        for task in [*tasks, stopper]:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # re-raises AgentError from a failed start
+        return 0
+    finally:
+        await api.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.node_name = args.node_name or os.environ.get("NODE_NAME", "")
+    if not args.node_name:
+        print("passthrough agent: no node name: pass --node-name or set NODE_NAME", file=sys.stderr)
+        return 2
+    try:
+        rescan = parse_duration(args.rescan_interval)
+    except DurationError as exc:
+        print(f"passthrough agent: --rescan-interval: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args, rescan))
+    except AgentError as exc:
+        print(f"passthrough agent: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,164 @@
+"""What the agent writes for each device, and whether the live object already says it.
+
+Pure functions: the loop in `agent.loop` feeds them discovery results and live objects and
+writes only what `changed()` reports, so a rescan of unchanged hardware costs no API write.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCIAttributes
+from passthrough.k8s import NODE_LABEL
+from passthrough.pci.discovery import Device
+from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
+
+READY = "Ready"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    uid: str
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def object_name(device: Device, node: str) -> str:
+    return node_pci_device_name(device.address, device.vendor_id, device.device_id, node)
+
+
+def identity(name: str, node: Node) -> dict[str, Any]:
+    """The object itself: name, node label, and the Node as owner (its deletion removes us)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": NODE_PCI_DEVICE.kind,
+        "metadata": {
+            "name": name,
+            "labels": {NODE_LABEL: node.name},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid}],
+        },
+    }
+
+
+def has_identity(live: dict[str, Any], node: Node) -> bool:
+    meta = live.get("metadata", {})
+    owners = meta.get("ownerReferences") or []
+    return meta.get("labels", {}).get(NODE_LABEL) == node.name and any(
+        o.get("kind") == "Node" and o.get("uid") == node.uid for o in owners
+    )
+
+
+def resource_and_mode(device: Device, name: str, assigned_namespace: str) -> tuple[str, str]:
+    """An assigned device leaves the GPU pool for its own exclusive resource."""
+    if assigned_namespace:
+        return exclusive_resource_name(name), "Exclusive"
+    if device.resource_name:
+        return device.resource_name, "Pool"
+    return "", ""
+
+
+def attributes(device: Device, node: str) -> dict[str, Any]:
+    return PCIAttributes(
+        name=device.name,
+        vendorName=device.vendor_name,
+        pciAddress=device.address,
+        vendorID=device.vendor_id,
+        deviceID=device.device_id,
+        subsystemVendorID=device.subsystem_vendor_id,
+        subsystemDeviceID=device.subsystem_device_id,
+        class_=device.class_code,
+        driver=device.driver,
+        iommuGroup=device.iommu_group,
+        numaNode=device.numa_node,
+        nodeName=node,
+    ).model_dump(by_alias=True)
+
+
+def ready_condition(device: Device) -> tuple[str, str, str]:
+    if device.eligible:
+        return "True", "Ready", "The device can be passed through."
+    return "False", "NotReady", device.reason
+
+
+def present_status(device: Device, name: str, node: str, assigned_namespace: str) -> dict[str, Any]:
+    """The agent's part of the status of a device it found."""
+    resource, mode = resource_and_mode(device, name, assigned_namespace)
+    status, reason, message = ready_condition(device)
+    return {
+        "attributes": attributes(device, node),
+        "resourceName": resource,
+        "mode": mode,
+        "eligible": device.eligible,
+        "conditions": [{"type": READY, "status": status, "reason": reason, "message": message}],
+    }
+
+
+def missing_status(live: dict[str, Any], node: str) -> dict[str, Any]:
+    """A device the node no longer has: keep what was known, say it is gone."""
+    previous = live.get("status", {})
+    address = previous.get("attributes", {}).get("pciAddress", "?")
+    return {
+        "attributes": previous.get("attributes", {}),
+        "resourceName": previous.get("resourceName", ""),
+        "mode": previous.get("mode", ""),
+        "eligible": False,
+        "conditions": [
+            {
+                "type": READY,
+                "status": "False",
+                "reason": "NotFound",
+                "message": (
+                    f"No device at {address} on node {node} at the last scan (removed, hidden by a "
+                    "firmware or driver change, or the node rebooted without it)."
+                ),
+            }
+        ],
+    }
+
+
+def _live_condition(live: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for condition in live.get("status", {}).get("conditions") or []:
+        if condition.get("type") == type_:
+            return condition
+    return None
+
+
+def changed(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    """Whether applying `desired` (our status fields) would change the live object."""
+    if live is None:
+        return True
+    status = live.get("status", {})
+    for key, value in desired.items():
+        if key == "conditions":
+            continue
+        if key == "attributes":
+            got = status.get("attributes", {})
+            if any(got.get(k) != v for k, v in value.items()):
+                return True
+        elif status.get(key) != value:
+            return True
+    for condition in desired["conditions"]:
+        got = _live_condition(live, condition["type"])
+        if got is None or any(got.get(k) != condition[k] for k in ("status", "reason", "message")):
+            return True
+    return False
+
+
+def status_body(name: str, desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
+    """The apply body; a condition keeps its transition time unless its status flips."""
+    conditions = []
+    for condition in desired["conditions"]:
+        got = _live_condition(live or {}, condition["type"])
+        keep = got is not None and got.get("status") == condition["status"] and got.get("lastTransitionTime")
+        conditions.append({**condition, "lastTransitionTime": got["lastTransitionTime"] if keep else now()})
+    return {
+        "apiVersion": API_VERSION,
+        "kind": NODE_PCI_DEVICE.kind,
+        "metadata": {"name": name},
+        "status": {**desired, "conditions": conditions},
+    }

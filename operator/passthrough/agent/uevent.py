@@ -1,0 +1,63 @@
+"""Kernel hotplug events for the pci subsystem, read from the kobject-uevent netlink socket.
+
+The kernel broadcasts them in the host's network namespace (the agent runs with
+hostNetwork); udev is not needed. Where the socket cannot be opened the periodic rescan
+remains the safety net, and the agent says so once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+NETLINK_KOBJECT_UEVENT = 15
+KERNEL_GROUP = 1
+INTERESTING = {"add", "remove", "bind", "unbind", "change"}
+
+
+def parse(message: bytes) -> dict[str, str]:
+    """`ACTION@DEVPATH\\0KEY=VALUE\\0...` into a dict; udev's own (libudev-framed) messages yield {}."""
+    if message.startswith(b"libudev"):
+        return {}
+    fields: dict[str, str] = {}
+    for part in message.split(b"\0")[1:]:
+        key, sep, value = part.partition(b"=")
+        if sep:
+            fields[key.decode(errors="replace")] = value.decode(errors="replace")
+    return fields
+
+
+def is_pci_hotplug(fields: dict[str, str]) -> bool:
+    return fields.get("SUBSYSTEM") == "pci" and fields.get("ACTION") in INTERESTING
+
+
+async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = 0.5) -> None:
+    """Call `on_event` once per burst of pci events (a GPU and its audio function arrive together)."""
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
+        sock.bind((0, KERNEL_GROUP))
+        sock.setblocking(False)
+    except OSError as exc:
+        log.warning("kernel hotplug events are not available (%s); relying on the periodic rescan", exc)
+        return
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            data = await loop.sock_recv(sock, 65536)
+            fields = parse(data)
+            if not is_pci_hotplug(fields):
+                continue
+            # Collect the rest of the burst before reacting.
+            while True:
+                try:
+                    data = await asyncio.wait_for(loop.sock_recv(sock, 65536), debounce)
+                except TimeoutError:
+                    break
+            log.info("pci hotplug event: %s %s", fields.get("ACTION"), fields.get("PCI_SLOT_NAME", fields.get("DEVPATH", "")))
+            on_event(fields)
+    finally:
+        sock.close()

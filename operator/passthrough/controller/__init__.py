@@ -1,0 +1,1 @@
+"""The operator: device lifecycle (assignment, conditions, garbage collection) and KubeVirt configuration."""

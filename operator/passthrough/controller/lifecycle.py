@@ -1,0 +1,458 @@
+"""The device lifecycle as a pure function: from what is, to what to write.
+
+`decide()` looks at one NodePCIDevice, its PCIDevices, the namespaces and the VMs that
+reference it, and returns the writes that move the cluster toward what the admin asked
+for. It knows nothing of Kopf or the API client; `controller.reconciler` feeds it from
+Kopf's indexes and carries the plan out. Each call is level-triggered: it never depends on
+what happened before, only on what is there now, so a restarted operator converges.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCI_DEVICE
+from passthrough.k8s import NODE_LABEL
+from passthrough.pci.naming import exclusive_resource_name
+
+FINALIZER = "passthrough.io/in-use"
+DEFAULT_GRACE = datetime.timedelta(minutes=10)
+
+# Namespaces that never receive devices: VMs do not run there, and a device handed to one is
+# almost certainly a typo. The CRD refuses them up front; this catches objects that predate it.
+SYSTEM_NAMESPACES = frozenset({"kube-system", "kube-public", "kube-node-lease"})
+
+
+@dataclass(frozen=True)
+class Cond:
+    status: str
+    reason: str
+    message: str
+    lastTransitionTime: str = ""
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any] | None) -> Cond | None:
+        if not raw:
+            return None
+        return cls(raw.get("status", "Unknown"), raw.get("reason", ""), raw.get("message", ""), raw.get("lastTransitionTime", ""))
+
+    def same(self, other: Cond | None) -> bool:
+        return other is not None and (self.status, self.reason, self.message) == (other.status, other.reason, other.message)
+
+
+@dataclass(frozen=True)
+class NodeDevice:
+    """What the lifecycle needs of a NodePCIDevice (small: this lives in a Kopf index)."""
+
+    name: str
+    uid: str
+    resource_version: str
+    assigned_namespace: str
+    deleting: bool
+    finalizers: tuple[str, ...]
+    ready: Cond | None
+    assigned: Cond | None
+    attached: Cond | None
+    attributes: Mapping[str, Any]
+    node_name: str
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> NodeDevice:
+        meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
+        conditions = {c.get("type"): c for c in status.get("conditions") or []}
+        attributes = dict(status.get("attributes") or {})
+        return cls(
+            name=meta["name"],
+            uid=meta.get("uid", ""),
+            resource_version=meta.get("resourceVersion", ""),
+            assigned_namespace=spec.get("assignedNamespace") or "",
+            deleting=bool(meta.get("deletionTimestamp")),
+            finalizers=tuple(meta.get("finalizers") or ()),
+            ready=Cond.of(conditions.get("Ready")),
+            assigned=Cond.of(conditions.get("Assigned")),
+            attached=Cond.of(conditions.get("Attached")),
+            attributes=attributes,
+            node_name=attributes.get("nodeName") or (meta.get("labels") or {}).get(NODE_LABEL, ""),
+        )
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the lifecycle needs of a PCIDevice."""
+
+    name: str
+    namespace: str
+    uid: str
+    resource_version: str
+    deleting: bool
+    metadata: Mapping[str, Any]  # the fields we apply: labels, ownerReferences, finalizers
+    status: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> Device:
+        meta = body["metadata"]
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta.get("uid", ""),
+            resource_version=meta.get("resourceVersion", ""),
+            deleting=bool(meta.get("deletionTimestamp")),
+            metadata={
+                "labels": dict(meta.get("labels") or {}),
+                "ownerReferences": [dict(o) for o in meta.get("ownerReferences") or []],
+                "finalizers": list(meta.get("finalizers") or []),
+            },
+            status=dict(body.get("status") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class World:
+    """Everything `decide` may look at for one device name."""
+
+    name: str
+    node_device: NodeDevice | None
+    devices: tuple[Device, ...]
+    namespaces: Mapping[str, str]  # name -> phase (Active, Terminating); absent: does not exist
+    referencing_vms: Mapping[str, tuple[str, ...]]  # namespace -> VMs whose spec lists the resource
+    now: datetime.datetime
+    grace: datetime.timedelta = DEFAULT_GRACE
+
+
+# -- the plan -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApplyDevice:
+    namespace: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ApplyDeviceStatus:
+    namespace: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DeleteDevice:
+    namespace: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class ApplyNodeDeviceFinalizer:
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ApplyNodeDeviceStatus:
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DeleteNodeDevice:
+    uid: str
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # NodePCIDevice or PCIDevice
+    namespace: str
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    writes: list[Any] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def timestamp(now: datetime.datetime) -> str:
+    return now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(text: str) -> datetime.datetime | None:
+    try:
+        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    except (TypeError, ValueError):
+        return None
+
+
+def format_duration(delta: datetime.timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def _condition(type_: str, new: Cond, old: Cond | None, now: datetime.datetime) -> dict[str, Any]:
+    keep = old is not None and old.status == new.status and old.lastTransitionTime
+    return {
+        "type": type_,
+        "status": new.status,
+        "reason": new.reason,
+        "message": new.message,
+        "lastTransitionTime": old.lastTransitionTime if keep else timestamp(now),
+    }
+
+
+def _vm_list(namespace: str, vms: tuple[str, ...]) -> str:
+    names = ", ".join(f"{namespace}/{vm}" for vm in vms)
+    return f"VirtualMachine {names}" if len(vms) == 1 else f"VirtualMachines {names}"
+
+
+def owner_reference(node_device: NodeDevice) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": NODE_PCI_DEVICE.kind,
+        "name": node_device.name,
+        "uid": node_device.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def device_metadata(node_device: NodeDevice, namespace: str, finalizer: bool) -> dict[str, Any]:
+    return {
+        "labels": {NODE_LABEL: node_device.node_name} if node_device.node_name else {},
+        "ownerReferences": [owner_reference(node_device)],
+        "finalizers": [FINALIZER] if finalizer else [],
+    }
+
+
+def _metadata_differs(live: Device, wanted: dict[str, Any]) -> bool:
+    labels = live.metadata.get("labels", {})
+    if any(labels.get(k) != v for k, v in wanted["labels"].items()):
+        return True
+    owners = live.metadata.get("ownerReferences", [])
+    if not any(o.get("uid") == wanted["ownerReferences"][0]["uid"] and o.get("controller") for o in owners):
+        return True
+    return (FINALIZER in live.metadata.get("finalizers", [])) != bool(wanted["finalizers"])
+
+
+def device_body(name: str, namespace: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": PCI_DEVICE.kind,
+        "metadata": {"name": name, "namespace": namespace, **metadata},
+    }
+
+
+# -- the decision -------------------------------------------------------------------------
+
+
+def decide(world: World) -> Plan:
+    plan = Plan()
+    npci = world.node_device
+    referenced = {d.namespace: world.referencing_vms.get(d.namespace, ()) for d in world.devices}
+
+    if npci is None:
+        # The NodePCIDevice is gone; the garbage collector deletes its PCIDevices. All that is
+        # left to us is to let go of those no VM references any more.
+        for device in world.devices:
+            if device.deleting and not referenced[device.namespace] and FINALIZER in device.metadata["finalizers"]:
+                wanted = {**device.metadata, "finalizers": []}
+                plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted)))
+        return plan
+
+    missing = npci.ready is not None and npci.ready.reason == "NotFound"
+    missing_since = parse_timestamp(npci.ready.lastTransitionTime) if missing and npci.ready else None
+    expired = missing and (missing_since is None or world.now - missing_since >= world.grace)
+
+    target = "" if npci.deleting else npci.assigned_namespace
+    phase = world.namespaces.get(target) if target else None
+    usable = bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not expired
+    current = next((d for d in world.devices if d.namespace == target), None) if usable else None
+
+    # PCIDevices that must go: every one but the current one in the target namespace. One a VM
+    # references gets the finalizer first, so it stays Terminating until the VM lets go.
+    for device in world.devices:
+        if device is current or device.deleting:
+            continue
+        if device.namespace == target and phase == "Terminating":
+            continue  # the namespace controller removes it with everything else there
+        if referenced[device.namespace] and FINALIZER not in device.metadata["finalizers"]:
+            wanted = {**device.metadata, "finalizers": [FINALIZER]}
+            plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted)))
+        plan.writes.append(DeleteDevice(device.namespace, device.uid))
+    leaving = [d for d in world.devices if d is not current or d.deleting]
+    # Of those, the ones that outlive this plan: a VM holds them (or their namespace is going).
+    lingering = [d for d in leaving if referenced[d.namespace] or (d.namespace == target and phase == "Terminating")]
+
+    # The PCIDevice in the target namespace, and its status.
+    will_exist = usable and (current is None or not current.deleting)
+    if will_exist:
+        vms = world.referencing_vms.get(target, ())
+        wanted = device_metadata(npci, target, finalizer=bool(vms))
+        if current is None or _metadata_differs(current, wanted):
+            plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted)))
+        status = _device_status(npci, current, vms, world.now)
+        if current is None or _status_differs(current.status, status):
+            plan.writes.append(
+                ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status})
+            )
+            plan.events.extend(_device_events(npci, current, status, target))
+
+    # A PCIDevice being deleted keeps its finalizer exactly while a VM references it.
+    for device in world.devices:
+        if device.deleting:
+            want = bool(referenced[device.namespace])
+            if want != (FINALIZER in device.metadata["finalizers"]):
+                wanted = {**device.metadata, "finalizers": [FINALIZER] if want else []}
+                plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted)))
+
+    # The NodePCIDevice: deleted when it is unassigned and gone from its node.
+    if missing and not npci.assigned_namespace and not npci.deleting and not lingering and current is None:
+        plan.writes.append(DeleteNodeDevice(npci.uid))
+        return plan
+
+    attached_anywhere = {ns: vms for ns, vms in referenced.items() if vms}
+    if will_exist and world.referencing_vms.get(target):
+        attached_anywhere[target] = world.referencing_vms[target]
+    want_finalizer = bool(lingering) if npci.deleting else bool(attached_anywhere)
+    if want_finalizer != (FINALIZER in npci.finalizers):
+        plan.writes.append(
+            ApplyNodeDeviceFinalizer(
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": NODE_PCI_DEVICE.kind,
+                    "metadata": {"name": npci.name, "finalizers": [FINALIZER] if want_finalizer else []},
+                }
+            )
+        )
+    if npci.deleting:
+        return plan
+
+    assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced)
+    attached = _attached_condition(attached_anywhere)
+    if not assigned.same(npci.assigned) or not attached.same(npci.attached):
+        plan.writes.append(
+            ApplyNodeDeviceStatus(
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": NODE_PCI_DEVICE.kind,
+                    "metadata": {"name": npci.name},
+                    "status": {
+                        "conditions": [
+                            _condition("Assigned", assigned, npci.assigned, world.now),
+                            _condition("Attached", attached, npci.attached, world.now),
+                        ]
+                    },
+                }
+            )
+        )
+        # A new device starting out unassigned is not news; every later transition is.
+        if not assigned.same(npci.assigned) and (npci.assigned is not None or target):
+            warning = assigned.reason == "Available" and bool(target)
+            plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning" if warning else "Normal", assigned.reason, assigned.message))
+        if not attached.same(npci.attached) and (npci.attached is not None or attached.status == "True"):
+            reason = "Attached" if attached.status == "True" else "Detached"
+            plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Normal", reason, attached.message))
+
+    if missing and usable and missing_since is not None:
+        plan.requeue_after = max(1.0, (missing_since + world.grace - world.now).total_seconds())
+    return plan
+
+
+def _device_status(npci: NodeDevice, current: Device | None, vms: tuple[str, ...], now: datetime.datetime) -> dict[str, Any]:
+    old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
+    # Ready is the node's word, transition time included.
+    if npci.ready and npci.ready.lastTransitionTime:
+        ready = _condition("Ready", npci.ready, npci.ready, now)
+    else:
+        unreported = Cond("Unknown", "NotReady", f"The agent on node {npci.node_name or '?'} has not reported this device yet.")
+        ready = _condition("Ready", npci.ready or unreported, old.get("Ready"), now)
+    attached = (
+        Cond("True", "AttachedToVirtualMachine", f"Used by {_vm_list(npci.assigned_namespace, vms)}.")
+        if vms
+        else Cond("False", "Available", f"No VirtualMachine uses it; set deviceName {exclusive_resource_name(npci.name)} in a VM's hostDevices.")
+    )
+    return {
+        "attributes": dict(npci.attributes),
+        "nodeName": npci.node_name,
+        "resourceName": exclusive_resource_name(npci.name),
+        "attachedTo": ", ".join(vms),
+        "conditions": [
+            ready,
+            _condition("Attached", attached, old.get("Attached"), now),
+        ],
+    }
+
+
+def _status_differs(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    for key, value in wanted.items():
+        if key == "conditions":
+            got = {c.get("type"): c for c in live.get("conditions") or []}
+            for condition in value:
+                have = got.get(condition["type"]) or {}
+                keys = ("status", "reason", "message") + (("lastTransitionTime",) if condition["type"] == "Ready" else ())
+                if any(have.get(k) != condition[k] for k in keys):
+                    return True
+        elif key == "attributes":
+            have = live.get("attributes") or {}
+            if any(have.get(k) != v for k, v in value.items()):
+                return True
+        elif live.get(key, "") != value:
+            return True
+    return False
+
+
+def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, Any], namespace: str) -> list[Event]:
+    events = []
+    old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
+    new = {c["type"]: Cond.of(c) for c in status["conditions"]}
+    if current is None:
+        events.append(Event(PCI_DEVICE.kind, namespace, "Normal", "Assigned",
+                            f"Device {npci.attributes.get('pciAddress', '?')} of node {npci.node_name} assigned to this namespace; use deviceName {status['resourceName']}."))
+    elif not new["Ready"].same(old.get("Ready")):
+        ready = new["Ready"]
+        events.append(Event(PCI_DEVICE.kind, namespace, "Normal" if ready.status == "True" else "Warning", ready.reason, ready.message))
+    if current is not None and not new["Attached"].same(old.get("Attached")):
+        events.append(Event(PCI_DEVICE.kind, namespace, "Normal",
+                            "Attached" if new["Attached"].status == "True" else "Detached", new["Attached"].message))
+    return events
+
+
+def _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced) -> Cond:
+    held = [(d.namespace, referenced[d.namespace]) for d in lingering if referenced[d.namespace]]
+    holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
+    if not target:
+        if held:
+            return Cond("False", "InProgress", f"Unassigning: {holding}.")
+        return Cond("False", "Available", "Not assigned; set spec.assignedNamespace to give this device to a namespace.")
+    if target in SYSTEM_NAMESPACES:
+        return Cond("False", "Available", f"{target} is a system namespace and cannot receive devices; assign the device to a tenant namespace.")
+    if phase is None:
+        return Cond("False", "Available", f"Namespace {target} does not exist; create it or clear spec.assignedNamespace.")
+    if phase != "Active":
+        return Cond("False", "Available",
+                    f"Namespace {target} is being deleted and its PCIDevice goes with it; create the namespace again or change spec.assignedNamespace.")
+    if expired:
+        since = f" since {timestamp(missing_since)}" if missing_since else ""
+        return Cond("False", "Available",
+                    f"The device has been missing from node {npci.node_name}{since}, longer than the {format_duration(world.grace)} grace period, "
+                    f"so its PCIDevice in {target} was removed; it is assigned again when the device returns.")
+    if not will_exist:
+        old_vms = referenced.get(target) or ()
+        waiting = f" ({_vm_list(target, old_vms)} still lists it)" if old_vms else ""
+        return Cond("False", "InProgress", f"Waiting for the previous PCIDevice {target}/{npci.name} to finish terminating{waiting}.")
+    message = f"Assigned to namespace {target} as PCIDevice {target}/{npci.name}; VMs there use deviceName {exclusive_resource_name(npci.name)}."
+    if holding:
+        message += f" Meanwhile {holding}."
+    return Cond("True", "Assigned", message)
+
+
+def _attached_condition(attached: Mapping[str, tuple[str, ...]]) -> Cond:
+    if not attached:
+        return Cond("False", "Available", "No VirtualMachine uses this device.")
+    users = "; ".join(_vm_list(ns, vms) for ns, vms in sorted(attached.items()))
+    return Cond("True", "AttachedToVirtualMachine", f"Used by {users}.")

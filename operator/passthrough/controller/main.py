@@ -1,0 +1,58 @@
+"""`passthrough operator`: run the Kopf operator until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import logging
+import os
+import sys
+
+import kopf
+
+from passthrough.api.models import NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
+from passthrough.durations import DurationError, parse_duration
+from passthrough.k8s import NotInstalled, connect, require_crds
+
+
+async def _preflight(kubeconfig: str | None) -> None:
+    api = await connect(kubeconfig)
+    try:
+        await require_crds(api, NODE_PCI_DEVICE.plural, PCI_DEVICE.plural, PASSTHROUGH_CONFIG.plural)
+    finally:
+        await api.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not args.verbose:
+        # Kopf narrates every watch and handler at INFO; an operator of 2,000 devices should not.
+        logging.getLogger("kopf").setLevel(logging.WARNING)
+    try:
+        grace = parse_duration(args.not_found_grace)
+    except DurationError as exc:
+        print(f"passthrough operator: --not-found-grace: {exc}", file=sys.stderr)
+        return 2
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # Kopf's own client logs in from it
+    try:
+        asyncio.run(_preflight(args.kubeconfig))
+    except NotInstalled as exc:
+        print(f"passthrough operator: {exc}", file=sys.stderr)
+        return 1
+
+    from passthrough.controller import handlers  # noqa: F401  (registers the handlers)
+
+    memo = kopf.Memo(kubeconfig=args.kubeconfig, grace=datetime.timedelta(seconds=grace), workers=args.workers)
+    asyncio.run(
+        kopf.operator(
+            clusterwide=True,
+            standalone=True,
+            memo=memo,
+            liveness_endpoint=args.liveness or None,
+        )
+    )
+    return 0

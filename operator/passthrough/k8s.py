@@ -1,0 +1,252 @@
+"""The Kubernetes API as this project uses it: one client, server-side apply, small watches.
+
+Kopf has its own client for watching; everything we write goes through here, with
+kubernetes-asyncio, so every write is a server-side apply under a named field manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from passthrough.api.models import GROUP, VERSION
+
+log = logging.getLogger(__name__)
+
+APPLY = "application/apply-patch+yaml"
+AGENT_MANAGER = "passthrough-agent"
+OPERATOR_MANAGER = "passthrough-operator"
+NODE_LABEL = "passthrough.io/node"
+VFIO_LABEL = "passthrough.io/vfio"
+
+
+async def connect(kubeconfig: str | None = None) -> client.ApiClient:
+    """An API client from the in-cluster service account, else from a kubeconfig."""
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    configuration = client.Configuration()
+    await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    # Many small requests in parallel (hundreds of devices at start-up) share these.
+    configuration.connection_pool_maxsize = 32
+    return client.ApiClient(configuration)
+
+
+class NotInstalled(RuntimeError):
+    """The cluster lacks what we need (CRDs, API server); the message says what to do."""
+
+
+async def require_crds(api: client.ApiClient, *plurals: str) -> None:
+    """Refuse to start without our CRDs: every write would fail, one object at a time."""
+    try:
+        resources = await client.CustomObjectsApi(api).get_api_resources(GROUP, VERSION)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise NotInstalled(
+                f"the {GROUP} CRDs are not installed in this cluster: kubectl apply -f crds/ (or install the chart)"
+            ) from None
+        raise NotInstalled(f"cannot read {GROUP}/{VERSION} from the API server: {exc.status} {exc.reason}") from None
+    except OSError as exc:
+        raise NotInstalled(f"cannot reach the API server: {exc}") from None
+    names = {r.name for r in resources.resources or []}
+    missing = [p for p in plurals if p not in names]
+    if missing:
+        raise NotInstalled(f"CRDs missing from the cluster: {', '.join(f'{p}.{GROUP}' for p in missing)}; kubectl apply -f crds/")
+
+
+class Custom:
+    """One passthrough.io kind, cluster-scoped or namespaced, with apply as the only write verb."""
+
+    def __init__(self, api: client.ApiClient, plural: str, namespaced: bool = False, group: str = GROUP, version: str = VERSION) -> None:
+        self.objects = client.CustomObjectsApi(api)
+        self.plural, self.namespaced, self.group, self.version = plural, namespaced, group, version
+
+    def _args(self, namespace: str | None) -> list[str]:
+        return [self.group, self.version, namespace, self.plural] if self.namespaced else [self.group, self.version, self.plural]
+
+    async def get(self, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        try:
+            if self.namespaced:
+                return await self.objects.get_namespaced_custom_object(self.group, self.version, namespace, self.plural, name)
+            return await self.objects.get_cluster_custom_object(self.group, self.version, self.plural, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, label_selector: str = "", namespace: str | None = None) -> dict[str, Any]:
+        if self.namespaced and namespace:
+            return await self.objects.list_namespaced_custom_object(
+                self.group, self.version, namespace, self.plural, label_selector=label_selector
+            )
+        return await self.objects.list_cluster_custom_object(self.group, self.version, self.plural, label_selector=label_selector)
+
+    async def apply(self, body: dict[str, Any], manager: str, status: bool = False, force: bool = True) -> dict[str, Any]:
+        """Server-side apply of `body` (its metadata names the object); `status` targets the subresource."""
+        name = body["metadata"]["name"]
+        namespace = body["metadata"].get("namespace")
+        # The generated client maps only 200 to a body; an apply that creates answers 201.
+        kwargs = {"field_manager": manager, "force": force, "_content_type": APPLY, "_preload_content": False}
+        if self.namespaced:
+            call = self.objects.patch_namespaced_custom_object_status if status else self.objects.patch_namespaced_custom_object
+            response = await call(self.group, self.version, namespace, self.plural, name, body, **kwargs)
+        else:
+            call = self.objects.patch_cluster_custom_object_status if status else self.objects.patch_cluster_custom_object
+            response = await call(self.group, self.version, self.plural, name, body, **kwargs)
+        return json.loads(await response.read())
+
+    async def delete(self, name: str, namespace: str | None = None, uid: str | None = None) -> bool:
+        """Delete; False when already gone. `uid` guards against deleting a newer object of that name."""
+        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)) if uid else None
+        try:
+            if self.namespaced:
+                await self.objects.delete_namespaced_custom_object(self.group, self.version, namespace, self.plural, name, body=body)
+            else:
+                await self.objects.delete_cluster_custom_object(self.group, self.version, self.plural, name, body=body)
+            return True
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+
+    async def watch(self, label_selector: str = "", resource_version: str = "", timeout: int = 300) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Events after `resource_version` until the server ends the watch; raises ApiException(410) when too old."""
+        list_call = self.objects.list_cluster_custom_object
+        w = watch.Watch()
+        try:
+            async with w.stream(
+                list_call,
+                self.group,
+                self.version,
+                self.plural,
+                label_selector=label_selector,
+                resource_version=resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=timeout,
+            ) as stream:
+                async for event in stream:
+                    yield event["type"], event["raw_object"]
+        finally:
+            w.stop()
+
+
+def newer(candidate: dict[str, Any], cached: dict[str, Any] | None) -> bool:
+    """Whether `candidate` is not older than `cached` (a write's response may beat its watch event).
+
+    resourceVersions are opaque to clients in general, but the API server's etcd3 storage
+    makes them increasing integers; anything else is taken as newer.
+    """
+    if cached is None:
+        return True
+    try:
+        return int(candidate["metadata"]["resourceVersion"]) >= int(cached["metadata"]["resourceVersion"])
+    except (KeyError, ValueError):
+        return True
+
+
+class Mirror:
+    """A list+watch cache of one kind under a label selector, kept current in the background.
+
+    `changed` is set whenever an object is added, modified or deleted, so a loop can wait on
+    it instead of polling.
+    """
+
+    def __init__(self, kind: Custom, label_selector: str = "") -> None:
+        self.kind, self.label_selector = kind, label_selector
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.changed = asyncio.Event()
+        self.synced = asyncio.Event()
+        self._resource_version = ""
+
+    async def relist(self) -> None:
+        listing = await self.kind.list(self.label_selector)
+        self.objects = {o["metadata"]["name"]: o for o in listing.get("items", [])}
+        self._resource_version = listing["metadata"]["resourceVersion"]
+        self.synced.set()
+
+    def store(self, obj: dict[str, Any]) -> None:
+        """Put the response of our own write in the cache, unless the watch already has newer."""
+        if newer(obj, self.objects.get(obj["metadata"]["name"])):
+            self.objects[obj["metadata"]["name"]] = obj
+
+    async def run(self) -> None:
+        backoff = 1.0
+        while True:
+            try:
+                if not self.synced.is_set() or not self._resource_version:
+                    await self.relist()
+                    self.changed.set()
+                async for kind, obj in self.kind.watch(self.label_selector, self._resource_version):
+                    self._resource_version = obj["metadata"].get("resourceVersion", self._resource_version)
+                    if kind == "BOOKMARK":
+                        continue
+                    name = obj["metadata"]["name"]
+                    if kind == "DELETED":
+                        self.objects.pop(name, None)
+                    elif newer(obj, self.objects.get(name)):
+                        self.objects[name] = obj
+                    self.changed.set()
+                backoff = 1.0
+            except asyncio.CancelledError:
+                raise
+            except ApiException as exc:
+                if exc.status == 410:  # our resourceVersion is too old: start over
+                    self._resource_version = ""
+                    continue
+                log.warning("watch of %s failed (%s); retrying in %.0fs", self.kind.plural, exc.reason, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30)
+            except Exception as exc:  # connection resets and the like
+                log.warning("watch of %s broke (%s); retrying in %.0fs", self.kind.plural, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30)
+
+
+class EventRecorder:
+    """Posts core/v1 Events in the background; a failure to post is logged, never raised.
+
+    Events of cluster-scoped objects go to the `default` namespace, where kubectl describe
+    finds them.
+    """
+
+    def __init__(self, api: client.ApiClient, component: str) -> None:
+        self.core = client.CoreV1Api(api)
+        self.component = component
+        self._tasks: set[asyncio.Task] = set()
+
+    def post(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        task = asyncio.create_task(self._post(involved, type_, reason, message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _post(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        now = datetime.datetime.now(datetime.UTC)
+        namespace = involved.get("namespace") or "default"
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{involved['name']}.", namespace=namespace),
+            involved_object=client.V1ObjectReference(**involved),
+            reason=reason,
+            message=message[:1024],
+            type=type_,
+            source=client.V1EventSource(component=self.component),
+            reporting_component=self.component,
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        try:
+            await self.core.create_namespaced_event(namespace, event)
+        except Exception as exc:  # Events are best effort: losing one must not stop a reconcile
+            log.debug("posting event %s for %s failed: %s", reason, involved.get("name"), exc)
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,285 @@
+"""The device lifecycle decision, without a cluster: what the operator writes for each state."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from passthrough.controller import lifecycle as lc
+from passthrough.controller.lifecycle import Cond
+
+NOW = datetime.datetime(2026, 11, 29, 12, 0, 0, tzinfo=datetime.UTC)
+NAME = "pci-0123456789abcdef0123456789abcdef01234567"
+RESOURCE = f"passthrough.io/{NAME}"
+READY = Cond("True", "Ready", "The device can be passed through.", "2026-11-29T11:00:00Z")
+ATTRS = {"pciAddress": "0000:3b:00.0", "vendorID": "10de", "deviceID": "2236", "class": "030200", "nodeName": "gpu-1"}
+
+
+def node_device(namespace="", ready=READY, deleting=False, finalizers=(), assigned=None, attached=None) -> lc.NodeDevice:
+    return lc.NodeDevice(
+        name=NAME, uid="npci-uid", resource_version="10", assigned_namespace=namespace, deleting=deleting,
+        finalizers=tuple(finalizers), ready=ready, assigned=assigned, attached=attached, attributes=ATTRS, node_name="gpu-1",
+    )
+
+
+def device(namespace, deleting=False, finalizers=(), status=None, owner_uid="npci-uid") -> lc.Device:
+    return lc.Device(
+        name=NAME, namespace=namespace, uid=f"uid-{namespace}", resource_version="11", deleting=deleting,
+        metadata={
+            "labels": {"passthrough.io/node": "gpu-1"},
+            "ownerReferences": [{"uid": owner_uid, "controller": True}],
+            "finalizers": list(finalizers),
+        },
+        status=status or {},
+    )
+
+
+def world(npci, devices=(), namespaces=None, vms=None, now=NOW, grace=datetime.timedelta(minutes=10)) -> lc.World:
+    return lc.World(
+        name=NAME, node_device=npci, devices=tuple(devices),
+        namespaces={"team-a": "Active", "team-b": "Active"} if namespaces is None else namespaces,
+        referencing_vms=vms or {}, now=now, grace=grace,
+    )
+
+
+def of(plan, kind):
+    return [w for w in plan.writes if isinstance(w, kind)]
+
+
+def npci_conditions(plan) -> dict[str, dict]:
+    [write] = of(plan, lc.ApplyNodeDeviceStatus)
+    return {c["type"]: c for c in write.body["status"]["conditions"]}
+
+
+def settle(w: lc.World) -> lc.World:
+    """The world after a plan's writes landed (what the indexes show next)."""
+    plan = lc.decide(w)
+    npci = w.node_device
+    devices = {d.namespace: d for d in w.devices}
+    for write in plan.writes:
+        if isinstance(write, lc.ApplyDevice):
+            old = devices.get(write.namespace)
+            meta = write.body["metadata"]
+            devices[write.namespace] = lc.Device(
+                name=NAME, namespace=write.namespace, uid=old.uid if old else f"uid-{write.namespace}", resource_version="12",
+                deleting=old.deleting if old else False,
+                metadata={k: meta.get(k, old.metadata.get(k) if old else None) for k in ("labels", "ownerReferences", "finalizers")},
+                status=old.status if old else {},
+            )
+        elif isinstance(write, lc.ApplyDeviceStatus):
+            d = devices[write.namespace]
+            devices[write.namespace] = lc.Device(d.name, d.namespace, d.uid, "13", d.deleting, d.metadata, write.body["status"])
+        elif isinstance(write, lc.DeleteDevice):
+            d = devices[write.namespace]
+            if d.metadata["finalizers"]:
+                devices[write.namespace] = lc.Device(d.name, d.namespace, d.uid, "14", True, d.metadata, d.status)
+            else:
+                del devices[write.namespace]
+        elif isinstance(write, lc.ApplyNodeDeviceStatus):
+            conds = {c["type"]: Cond.of(c) for c in write.body["status"]["conditions"]}
+            npci = lc.NodeDevice(**{**npci.__dict__, "assigned": conds["Assigned"], "attached": conds["Attached"]})
+        elif isinstance(write, lc.ApplyNodeDeviceFinalizer):
+            npci = lc.NodeDevice(**{**npci.__dict__, "finalizers": tuple(write.body["metadata"]["finalizers"])})
+    for ns, d in list(devices.items()):
+        if d.deleting and not d.metadata["finalizers"]:
+            del devices[ns]
+    return lc.World(w.name, npci, tuple(devices.values()), w.namespaces, w.referencing_vms, w.now, w.grace)
+
+
+def converge(w: lc.World, rounds: int = 5) -> lc.World:
+    for _ in range(rounds):
+        if not lc.decide(w).writes:
+            return w
+        w = settle(w)
+    raise AssertionError(f"no fixpoint after {rounds} rounds: {lc.decide(w).writes}")
+
+
+def test_assigning_creates_a_pcidevice_owned_by_the_node_device():
+    plan = lc.decide(world(node_device("team-a")))
+    [create] = of(plan, lc.ApplyDevice)
+    assert create.namespace == "team-a"
+    meta = create.body["metadata"]
+    assert meta["name"] == NAME and meta["namespace"] == "team-a"
+    assert meta["ownerReferences"] == [
+        {"apiVersion": "passthrough.io/v1alpha1", "kind": "NodePCIDevice", "name": NAME, "uid": "npci-uid",
+         "controller": True, "blockOwnerDeletion": True}
+    ]
+    assert meta["finalizers"] == []  # no VM uses it: nothing to hold
+    [status] = of(plan, lc.ApplyDeviceStatus)
+    assert status.body["status"]["attributes"] == ATTRS
+    assert status.body["status"]["nodeName"] == "gpu-1"
+    assert status.body["status"]["resourceName"] == RESOURCE
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("True", "Assigned")
+    assert RESOURCE in assigned["message"]
+
+
+def test_a_state_that_already_holds_writes_nothing():
+    settled = converge(world(node_device("team-a")))
+    plan = lc.decide(settled)
+    assert plan.writes == [] and plan.events == []
+
+
+def test_unassigning_deletes_the_pcidevice_and_says_available():
+    settled = converge(world(node_device("team-a")))
+    unassigned = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": ""}), settled.devices,
+                          settled.namespaces, {}, NOW)
+    plan = lc.decide(unassigned)
+    assert [(w.namespace, w.uid) for w in of(plan, lc.DeleteDevice)] == [("team-a", "uid-team-a")]
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "Available")
+
+
+def test_reassigning_deletes_the_old_pcidevice_and_creates_the_new_one():
+    settled = converge(world(node_device("team-a")))
+    moved = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": "team-b"}), settled.devices,
+                     settled.namespaces, {}, NOW)
+    plan = lc.decide(moved)
+    assert [w.namespace for w in of(plan, lc.DeleteDevice)] == ["team-a"]
+    assert [w.namespace for w in of(plan, lc.ApplyDevice)] == ["team-b"]
+    final = converge(moved)
+    assert [d.namespace for d in final.devices] == ["team-b"]
+
+
+def test_a_missing_namespace_is_named_and_nothing_is_created():
+    plan = lc.decide(world(node_device("team-c")))
+    assert of(plan, lc.ApplyDevice) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "Available")
+    assert "Namespace team-c does not exist" in assigned["message"]
+    assert any(e.type == "Warning" for e in plan.events)
+
+
+def test_a_terminating_namespace_takes_its_pcidevice_and_the_condition_says_so():
+    settled = converge(world(node_device("team-a")))
+    going = lc.World(NAME, settled.node_device, settled.devices, {"team-a": "Terminating"}, {}, NOW)
+    plan = lc.decide(going)
+    assert of(plan, lc.DeleteDevice) == []  # the namespace controller deletes it
+    assert "being deleted" in npci_conditions(plan)["Assigned"]["message"]
+
+
+@pytest.mark.parametrize("namespace", sorted(lc.SYSTEM_NAMESPACES))
+def test_system_namespaces_never_receive_devices(namespace):
+    plan = lc.decide(world(node_device(namespace), namespaces={namespace: "Active"}))
+    assert of(plan, lc.ApplyDevice) == []
+    assert "system namespace" in npci_conditions(plan)["Assigned"]["message"]
+
+
+def test_ready_is_mirrored_with_its_transition_time():
+    lost = Cond("False", "NotFound", "No device at 0000:3b:00.0", "2026-11-29T11:58:00Z")
+    settled = converge(world(node_device("team-a")))
+    plan = lc.decide(lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost}), settled.devices,
+                              settled.namespaces, {}, NOW))
+    [status] = of(plan, lc.ApplyDeviceStatus)
+    ready = next(c for c in status.body["status"]["conditions"] if c["type"] == "Ready")
+    assert ready == {"type": "Ready", "status": "False", "reason": "NotFound", "message": lost.message,
+                     "lastTransitionTime": lost.lastTransitionTime}
+
+
+def test_an_unassigned_device_gone_from_its_node_is_deleted():
+    lost = Cond("False", "NotFound", "gone", "2026-11-29T11:59:00Z")
+    plan = lc.decide(world(node_device("", ready=lost)))
+    assert of(plan, lc.DeleteNodeDevice) == [lc.DeleteNodeDevice("npci-uid")]
+
+
+def test_an_assigned_device_gone_keeps_its_pcidevice_for_the_grace_period():
+    lost = Cond("False", "NotFound", "gone", "2026-11-29T11:58:00Z")  # two minutes ago
+    settled = converge(world(node_device("team-a")))
+    w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost}), settled.devices, settled.namespaces, {}, NOW)
+    plan = lc.decide(w)
+    assert of(plan, lc.DeleteDevice) == [] and of(plan, lc.DeleteNodeDevice) == []
+    assert plan.requeue_after == pytest.approx(8 * 60)
+
+
+def test_after_the_grace_period_the_pcidevice_is_removed_and_the_condition_says_why():
+    lost = Cond("False", "NotFound", "gone", "2026-11-29T11:45:00Z")  # fifteen minutes ago
+    settled = converge(world(node_device("team-a")))
+    w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost}), settled.devices, settled.namespaces, {}, NOW)
+    plan = lc.decide(w)
+    assert [d.namespace for d in of(plan, lc.DeleteDevice)] == ["team-a"]
+    assert of(plan, lc.DeleteNodeDevice) == []  # the admin's assignment stands
+    message = npci_conditions(plan)["Assigned"]["message"]
+    assert "10m00s grace period" in message and "assigned again when the device returns" in message
+
+
+def test_a_device_that_returns_after_the_grace_period_is_assigned_again():
+    lost = Cond("False", "NotFound", "gone", "2026-11-29T11:45:00Z")
+    settled = converge(world(node_device("team-a")))
+    expired = converge(lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost}), settled.devices,
+                                settled.namespaces, {}, NOW))
+    assert expired.devices == ()
+    back = lc.World(NAME, lc.NodeDevice(**{**expired.node_device.__dict__, "ready": READY}), (), expired.namespaces, {}, NOW)
+    assert [w.namespace for w in of(lc.decide(back), lc.ApplyDevice)] == ["team-a"]
+
+
+def test_a_vm_reference_attaches_and_holds_both_objects():
+    vms = {"team-a": ("vm-1",)}
+    settled = converge(world(node_device("team-a"), vms=vms))
+    [pcidev] = settled.devices
+    assert pcidev.metadata["finalizers"] == [lc.FINALIZER]
+    assert lc.FINALIZER in settled.node_device.finalizers
+    assert settled.node_device.attached.status == "True" and "team-a/vm-1" in settled.node_device.attached.message
+    attached = next(c for c in pcidev.status["conditions"] if c["type"] == "Attached")
+    assert (attached["status"], attached["reason"]) == ("True", "AttachedToVirtualMachine")
+    assert pcidev.status["attachedTo"] == "vm-1"
+
+
+def test_reassigning_a_device_a_vm_uses_keeps_the_old_pcidevice_terminating():
+    vms = {"team-a": ("vm-1",)}
+    settled = converge(world(node_device("team-a"), vms=vms))
+    moved = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": "team-b"}), settled.devices,
+                     settled.namespaces, vms, NOW)
+    final = converge(moved)
+    by_ns = {d.namespace: d for d in final.devices}
+    assert by_ns["team-a"].deleting and by_ns["team-a"].metadata["finalizers"] == [lc.FINALIZER]
+    assert not by_ns["team-b"].deleting
+    assert "stays until VirtualMachine team-a/vm-1 drops it" in final.node_device.assigned.message
+    # The VM's spec drops the device: the old PCIDevice lets go.
+    released = converge(lc.World(NAME, final.node_device, final.devices, final.namespaces, {}, NOW))
+    assert [d.namespace for d in released.devices] == ["team-b"]
+    assert lc.FINALIZER not in released.node_device.finalizers
+
+
+def test_unassigning_a_device_a_vm_uses_is_in_progress_until_the_vm_lets_go():
+    vms = {"team-a": ("vm-1",)}
+    settled = converge(world(node_device("team-a"), vms=vms))
+    unassigned = converge(lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": ""}),
+                                   settled.devices, settled.namespaces, vms, NOW))
+    assert unassigned.node_device.assigned.reason == "InProgress"
+    assert [d.deleting for d in unassigned.devices] == [True]
+
+
+def test_a_node_device_being_deleted_waits_for_a_pcidevice_a_vm_uses():
+    vms = {"team-a": ("vm-1",)}
+    settled = converge(world(node_device("team-a"), vms=vms))
+    deleting = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "deleting": True}), settled.devices,
+                        settled.namespaces, vms, NOW)
+    held = converge(deleting)
+    assert lc.FINALIZER in held.node_device.finalizers and held.devices[0].deleting
+    released = converge(lc.World(NAME, held.node_device, held.devices, held.namespaces, {}, NOW))
+    assert released.devices == () and lc.FINALIZER not in released.node_device.finalizers
+
+
+def test_an_orphaned_pcidevice_no_vm_uses_lets_go_of_its_finalizer():
+    orphan = device("team-a", deleting=True, finalizers=[lc.FINALIZER])
+    [write] = lc.decide(world(None, [orphan])).writes
+    assert isinstance(write, lc.ApplyDevice) and write.body["metadata"]["finalizers"] == []
+    assert lc.decide(world(None, [orphan], vms={"team-a": ("vm-1",)})).writes == []
+
+
+def test_transition_time_is_kept_while_the_status_holds():
+    settled = converge(world(node_device("team-a")))
+    later = lc.World(NAME, settled.node_device, settled.devices, settled.namespaces, {"team-a": ("vm-1",)},
+                     NOW + datetime.timedelta(hours=1))
+    plan = lc.decide(later)
+    conditions = npci_conditions(plan)
+    assert conditions["Assigned"]["lastTransitionTime"] == settled.node_device.assigned.lastTransitionTime
+    assert conditions["Attached"]["lastTransitionTime"] == lc.timestamp(later.now)
+
+
+def test_two_racing_assignments_end_in_the_namespace_written_last():
+    first = converge(world(node_device("team-a")))
+    second = converge(lc.World(NAME, lc.NodeDevice(**{**first.node_device.__dict__, "assigned_namespace": "team-b"}),
+                               first.devices, first.namespaces, {}, NOW))
+    assert [d.namespace for d in second.devices] == ["team-b"]
