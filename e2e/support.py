@@ -45,6 +45,21 @@ def writes_between(before: Counter, after: Counter, *resources: str) -> int:
     return sum(v - before.get(k, 0) for k, v in after.items() if not resources or k[0] in resources)
 
 
+async def quiet(api: client.ApiClient, resources: tuple[str, ...], settle: float = 3, timeout: float = 60) -> None:
+    """Wait until no write to `resources` has happened for `settle` seconds."""
+    deadline = time.monotonic() + timeout
+    last = await write_counts(api)
+    calm_since = time.monotonic()
+    while time.monotonic() - calm_since < settle:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"writes to {resources} did not stop within {timeout:.0f}s")
+        await asyncio.sleep(0.5)
+        now = await write_counts(api)
+        if writes_between(last, now, *resources):
+            calm_since = time.monotonic()
+        last = now
+
+
 async def _raw(api: client.ApiClient, path: str) -> str:
     response = await api.call_api(path, "GET", auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
     return (await response.read()).decode()

@@ -95,7 +95,11 @@ class NodePCIDeviceSpec(APIModel):
                         "must be empty or a namespace name (DNS-1123 label: lowercase "
                         "letters, digits and '-', starting and ending with a letter or digit)"
                     ),
-                }
+                },
+                {
+                    "rule": "!(self in ['kube-system', 'kube-public', 'kube-node-lease'])",
+                    "message": "is a system namespace; devices go to tenant namespaces where VMs run",
+                },
             ]
         },
     )

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbose:
         # Kopf narrates every watch and handler at INFO; an operator of 2,000 devices should not.
         logging.getLogger("kopf").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # every liveness probe
     try:
         grace = parse_duration(args.not_found_grace)
     except DurationError as exc:

@@ -45,6 +45,13 @@ def _rv(value: str) -> int:
         return 0
 
 
+def _expect(what: str, namespace: str, written: dict[str, Any]) -> tuple[str, str, str]:
+    # Dropping the last finalizer of an object being deleted deletes it: the answer then
+    # carries no resourceVersion, and what to wait for is its disappearance.
+    rv = written.get("metadata", {}).get("resourceVersion")
+    return (what, namespace, rv) if rv else (f"{what}-gone", namespace, "")
+
+
 class Reconciler:
     def __init__(self, api, indices: Mapping[str, Any], default_grace: datetime.timedelta, workers: int = 16) -> None:
         self.indices = indices
@@ -124,12 +131,10 @@ class Reconciler:
 
     async def _execute(self, name: str, write: Any):
         """One write; returns what the indexes must show before the name is decided again."""
-        if isinstance(write, lifecycle.ApplyDevice):
-            obj = await self.devices.apply(write.body, OPERATOR_MANAGER)
-            return ("device", write.namespace, obj["metadata"]["resourceVersion"])
-        if isinstance(write, lifecycle.ApplyDeviceStatus):
-            obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=True)
-            return ("device", write.namespace, obj["metadata"]["resourceVersion"])
+        if isinstance(write, lifecycle.ApplyDevice | lifecycle.ApplyDeviceStatus):
+            status = isinstance(write, lifecycle.ApplyDeviceStatus)
+            obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=status)
+            return _expect("device", write.namespace, obj)
         if isinstance(write, lifecycle.DeleteDevice):
             await self.devices.delete(name, write.namespace, uid=write.uid)
             log.info("deleting PCIDevice %s/%s", write.namespace, name)
@@ -142,7 +147,7 @@ class Reconciler:
                 if exc.status == 404:  # deleted meanwhile: nothing left to say about it
                     return None
                 raise
-            return ("node-device", "", obj["metadata"]["resourceVersion"])
+            return _expect("node-device", "", obj)
         if isinstance(write, lifecycle.DeleteNodeDevice):
             await self.node_devices.delete(name, uid=write.uid)
             log.info("deleted NodePCIDevice %s: unassigned and gone from its node", name)
