@@ -1,0 +1,303 @@
+"""Fixture hosts: sysfs and procfs trees laid out exactly as the Linux kernel lays them out.
+
+Devices live under `sys/devices/pci<domain>:<bus>/[<bridge>/]<address>/`, and everything
+else reaches them through relative symlinks, as on a real host: `sys/bus/pci/devices/*`,
+`driver`, `iommu_group` and its `devices/` back links, `sys/class/net` and
+`sys/class/block` (into `net/<ifname>` and the disk and partition directories), block
+`holders/`. So code that reads the fixture reads a real host the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from itertools import cycle
+from pathlib import Path
+
+ROOT_PORT = ("8086", "2030", "060400")  # Sky Lake-E PCI Express Root Port A
+HOST_BRIDGE = ("8086", "2020", "060000")  # Sky Lake-E DMI3 Registers
+
+_MOUNTS_HEADER = (
+    "sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0\n"
+    "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0\n"
+)
+_SWAPS_HEADER = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
+
+
+class FakeHost:
+    """A host's /sys and /proc under `root`, grown one device at a time."""
+
+    def __init__(self, root: Path, iommu: bool = True, vfio: bool = True) -> None:
+        self.root = Path(root)
+        self.sysfs = self.root / "sys"
+        self.proc = self.root / "proc"
+        self.iommu = iommu
+        self._bridges: dict[str, str] = {}  # "dddd:bb" secondary bus -> the bridge's address
+        for d in ("bus/pci/devices", "bus/pci/drivers", "devices/virtual/block", "class/net", "class/block",
+                  "block", "module", "kernel/iommu_groups"):  # fmt: skip
+            (self.sysfs / d).mkdir(parents=True, exist_ok=True)
+        if vfio:
+            self._driver_dir("vfio-pci")
+            (self.sysfs / "module" / "vfio_pci").mkdir()
+        self.proc.mkdir(parents=True, exist_ok=True)
+        (self.proc / "mounts").write_text(_MOUNTS_HEADER)
+        (self.proc / "swaps").write_text(_SWAPS_HEADER)
+
+    # --- Devices ----------------------------------------------------------------------
+
+    def add_device(
+        self,
+        address: str,
+        vendor: str,
+        device: str,
+        class_code: str,
+        *,
+        driver: str | None = None,
+        iommu_group: int | None = None,
+        numa_node: int = -1,
+        subsystem: tuple[str, str] = ("0000", "0000"),
+        parent: str | None = None,
+    ) -> Path:
+        """One PCI function; returns its directory in the device tree.
+
+        It goes below `parent` (a bridge's address), else below the root port added for its
+        bus with `add_root_port`, else directly on its root bus (`pci<domain>:<bus>`).
+        """
+        domain, bus = address.split(":")[:2]
+        if parent is None:
+            parent = self._bridges.get(f"{domain}:{bus}")
+        base = self.device_dir(parent) if parent else self.sysfs / "devices" / f"pci{domain}:{bus}"
+        path = base / address
+        path.mkdir(parents=True)
+        for name, value in (("vendor", vendor), ("device", device), ("class", class_code),
+                            ("subsystem_vendor", subsystem[0]), ("subsystem_device", subsystem[1])):  # fmt: skip
+            (path / name).write_text(f"0x{value.lower()}\n")
+        (path / "numa_node").write_text(f"{numa_node}\n")
+        (path / "driver_override").write_text("(null)\n")
+        _link(path / "subsystem", self.sysfs / "bus" / "pci")
+        _link(self.sysfs / "bus" / "pci" / "devices" / address, path)
+        if driver:
+            self.bind(address, driver)
+        if iommu_group is not None:
+            if not self.iommu:
+                raise ValueError(f"{address}: an IOMMU group on a host built with iommu=False")
+            group = self.sysfs / "kernel" / "iommu_groups" / str(iommu_group)
+            (group / "devices").mkdir(parents=True, exist_ok=True)
+            (group / "type").write_text("DMA\n")
+            _link(path / "iommu_group", group)
+            _link(group / "devices" / address, path)
+        return path
+
+    def add_root_port(self, address: str, secondary_bus: str, *, iommu_group: int | None = None) -> Path:
+        """A PCIe root port (a bridge); devices added later on `secondary_bus` go below it."""
+        path = self.add_device(address, *ROOT_PORT, driver="pcieport", iommu_group=iommu_group)
+        self._bridges[f"{address.split(':')[0]}:{secondary_bus}"] = address
+        return path
+
+    def device_dir(self, address: str) -> Path:
+        return Path(os.path.realpath(self.sysfs / "bus" / "pci" / "devices" / address))
+
+    def bind(self, address: str, driver: str | None) -> None:
+        """Bind the device to `driver` (None: unbind), with the driver's back link."""
+        path = self.device_dir(address)
+        old = path / "driver"
+        if old.is_symlink():
+            (old.resolve() / address).unlink(missing_ok=True)
+            old.unlink()
+        if driver:
+            drv = self._driver_dir(driver)
+            _link(path / "driver", drv)
+            _link(drv / address, path)
+
+    def remove_device(self, address: str) -> None:
+        """The device vanishes (hot-unplug), with everything below it and every link to it."""
+        path = self.device_dir(address)
+        links = [self.sysfs / "bus" / "pci" / "devices", self.sysfs / "class" / "net", self.sysfs / "class" / "block",
+                 self.sysfs / "block", *(self.sysfs / "bus" / "pci" / "drivers").iterdir()]  # fmt: skip
+        groups = self.sysfs / "kernel" / "iommu_groups"
+        links += [g / "devices" for g in groups.iterdir()]
+        for folder in links:
+            for entry in folder.iterdir():
+                if entry.is_symlink() and _under(Path(os.path.realpath(entry)), path):
+                    entry.unlink()
+        for group in list(groups.iterdir()):
+            if not any((group / "devices").iterdir()):
+                shutil.rmtree(group)
+        shutil.rmtree(path)
+
+    # --- What the host does with them -------------------------------------------------
+
+    def add_netdev(self, address: str, ifname: str, up: bool, *, carrier: bool = True) -> None:
+        iface = self.device_dir(address) / "net" / ifname
+        iface.mkdir(parents=True)
+        _link(self.sysfs / "class" / "net" / ifname, iface)
+        self.set_netdev(ifname, up, carrier=carrier)
+
+    def set_netdev(self, ifname: str, up: bool, *, carrier: bool = True) -> None:
+        """`ip link set <ifname> up|down`; without a carrier (no cable) operstate stays down."""
+        iface = self.sysfs / "class" / "net" / ifname
+        (iface / "flags").write_text("0x1003\n" if up else "0x1002\n")
+        (iface / "operstate").write_text("up\n" if up and carrier else "down\n")
+
+    def add_block(self, address: str, disk: str, partitions: tuple[str, ...] | list[str] = ()) -> None:
+        """A disk on the device (NVMe, virtio or SATA layout by its name) and its partitions."""
+        device = self.device_dir(address)
+        if disk.startswith("nvme"):
+            base = device / "nvme" / disk[: disk.index("n", 4)]
+        elif disk.startswith("vd"):
+            base = device / "virtio0" / "block"
+        else:
+            base = device / "ata1" / "host0" / "target0:0:0" / "0:0:0:0" / "block"
+        disk_dir = base / disk
+        self._block_dir(disk_dir, disk)
+        _link(self.sysfs / "block" / disk, disk_dir)
+        for number, part in enumerate(partitions, start=1):
+            self._block_dir(disk_dir / part, part)
+            (disk_dir / part / "partition").write_text(f"{number}\n")
+
+    def mount(self, block_name: str, mountpoint: str) -> None:
+        escaped = mountpoint.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
+        with (self.proc / "mounts").open("a") as f:
+            f.write(f"/dev/{block_name} {escaped} ext4 rw,relatime 0 0\n")
+
+    def swapon(self, block_name: str) -> None:
+        with (self.proc / "swaps").open("a") as f:
+            f.write(f"/dev/{block_name}                          partition\t8388604\t\t0\t\t-2\n")
+
+    def hold(self, block_name: str, holder: str) -> None:
+        """`holder` (dm-0, md0) is built on `block_name`, as LVM, RAID and dm-crypt do."""
+        virtual = self.sysfs / "devices" / "virtual" / "block" / holder
+        if not virtual.exists():
+            self._block_dir(virtual, holder)
+            (virtual / "slaves").mkdir()
+        held = Path(os.path.realpath(self.sysfs / "class" / "block" / block_name))
+        _link(held / "holders" / holder, virtual)
+        _link(virtual / "slaves" / block_name, held)
+
+    # --- Breaking things, the way a confused kernel or a half-done unbind would -------
+
+    def write_attribute(self, address: str, name: str, text: str) -> None:
+        """Write `text` as the device's attribute `name` (garbage into `vendor`, ...)."""
+        (self.device_dir(address) / name).write_text(text)
+
+    def remove_attribute(self, address: str, name: str) -> None:
+        (self.device_dir(address) / name).unlink()
+
+    def break_link(self, address: str, name: str) -> None:
+        """Point the device's link `name` (`driver`, `iommu_group`) at something that is gone."""
+        link = self.device_dir(address) / name
+        target = os.readlink(link) if link.is_symlink() else f"../{name}"
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.join(os.path.dirname(target), "gone"))
+
+    # --- Helpers ----------------------------------------------------------------------
+
+    def _driver_dir(self, driver: str) -> Path:
+        path = self.sysfs / "bus" / "pci" / "drivers" / driver
+        if not path.exists():
+            path.mkdir(parents=True)
+            for name in ("bind", "unbind", "new_id", "remove_id"):
+                (path / name).write_text("")
+        return path
+
+    def _block_dir(self, path: Path, name: str) -> None:
+        path.mkdir(parents=True)
+        (path / "holders").mkdir()
+        (path / "size").write_text("1953525168\n")
+        _link(self.sysfs / "class" / "block" / name, path)
+
+
+def _link(link: Path, target: Path) -> None:
+    """A relative symlink, as sysfs makes them (so the tree can be moved or copied)."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(target, link.parent))
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+# --- Ready-made hosts -----------------------------------------------------------------
+
+
+def gpu_node(root: Path) -> FakeHost:
+    """Two NVIDIA A10s, each with its audio function in its IOMMU group, behind root ports.
+
+    The host bridge and the root ports sit on bus 00: the agent leaves them out.
+    """
+    host = FakeHost(root)
+    host.add_device("0000:00:00.0", *HOST_BRIDGE, iommu_group=0)
+    for n, (port, bus, numa) in enumerate((("0000:00:03.0", "3b", 0), ("0000:00:07.0", "af", 1))):
+        host.add_root_port(port, bus, iommu_group=10 + n)
+        group = 20 + n
+        host.add_device(f"0000:{bus}:00.0", "10de", "2236", "030200", driver="nvidia",
+                        iommu_group=group, numa_node=numa, subsystem=("10de", "1482"))  # fmt: skip
+        host.add_device(f"0000:{bus}:00.1", "10de", "1aef", "040300", driver="snd_hda_intel",
+                        iommu_group=group, numa_node=numa, subsystem=("10de", "1482"))  # fmt: skip
+    return host
+
+
+def storage_node(root: Path) -> FakeHost:
+    """A free NVMe drive, a NIC whose eth0 is up and a free NIC (eth1 down), each in its own group."""
+    host = FakeHost(root)
+    host.add_device("0000:00:00.0", *HOST_BRIDGE, iommu_group=0)
+    host.add_root_port("0000:00:01.0", "18", iommu_group=1)
+    host.add_root_port("0000:00:02.0", "3d", iommu_group=2)
+    host.add_device("0000:18:00.0", "8086", "1593", "020000", driver="ice", iommu_group=30,
+                    subsystem=("8086", "0005"))  # fmt: skip
+    host.add_netdev("0000:18:00.0", "eth0", up=True)
+    host.add_device("0000:18:00.1", "8086", "1593", "020000", driver="ice", iommu_group=31,
+                    subsystem=("8086", "0005"))  # fmt: skip
+    host.add_netdev("0000:18:00.1", "eth1", up=False)
+    host.add_device("0000:3d:00.0", "144d", "a808", "010802", driver="nvme", iommu_group=32,
+                    subsystem=("144d", "a801"))  # fmt: skip
+    host.add_block("0000:3d:00.0", "nvme0n1", ("nvme0n1p1", "nvme0n1p2"))
+    return host
+
+
+def synthetic_host(root: Path, devices: int) -> FakeHost:
+    """About `devices` PCI functions (root ports included) for the discovery benchmark.
+
+    A mix as on GPU and storage servers: A10s with their audio function, single-function
+    H100s, dual-port NICs (the first port of every other card up), NVMe drives (every third
+    one mounted); each card behind its own root port, root ports spread over as many PCI
+    domains as needed.
+    """
+    host = FakeHost(root)
+    kinds = cycle(("a10", "nic", "nvme", "h100"))
+    count = port = disks = 0
+    bus = 1
+    domain = 0
+    while count < devices:
+        if port == 248 or bus == 256:
+            domain, port, bus = domain + 1, 0, 1
+        dom = f"{domain:04x}"
+        host.add_root_port(f"{dom}:00:{1 + port // 8:02x}.{port % 8}", f"{bus:02x}", iommu_group=count)
+        count += 1
+        group = count
+        addr = f"{dom}:{bus:02x}:00"
+        kind = next(kinds)
+        if kind == "a10":
+            for fn, (device, klass, driver) in enumerate((("2236", "030200", "vfio-pci"), ("1aef", "040300", None))):
+                host.add_device(f"{addr}.{fn}", "10de", device, klass, driver=driver, iommu_group=group,
+                                numa_node=domain % 2)  # fmt: skip
+            count += 2
+        elif kind == "h100":
+            host.add_device(f"{addr}.0", "10de", "2330", "030200", driver="nvidia", iommu_group=group)
+            count += 1
+        elif kind == "nic":
+            for fn in range(2):
+                host.add_device(f"{addr}.{fn}", "15b3", "101d", "020000", driver="mlx5_core", iommu_group=group)
+                host.add_netdev(f"{addr}.{fn}", f"ens{bus}f{fn}d{domain}", up=fn == 0 and bus % 2 == 0)
+            count += 2
+        else:
+            name = f"nvme{disks}n1"
+            disks += 1
+            host.add_device(f"{addr}.0", "8086", "0b60", "010802", driver="nvme", iommu_group=group)
+            host.add_block(f"{addr}.0", name, (f"{name}p1",))
+            if bus % 3 == 0:
+                host.mount(f"{name}p1", f"/data/{name}")
+            count += 1
+        port += 1
+        bus += 1
+    return host

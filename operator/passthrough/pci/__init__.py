@@ -1,0 +1,1 @@
+"""PCI devices: discovery from sysfs (eligibility rules), the pci.ids database, names from IDs."""

@@ -1,0 +1,203 @@
+"""Each eligibility rule of DESIGN.md, on fixture hosts laid out as the kernel lays out sysfs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from e2e.fakesysfs import FakeHost, gpu_node, storage_node
+from passthrough.pci.discovery import Device, discover
+from passthrough.pci.pciids import PciIds
+
+DB = PciIds.load(Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11")
+GPU, AUDIO, NIC = ("10de", "2236", "030200"), ("10de", "1aef", "040300"), ("8086", "1593", "020000")
+
+
+def scan(host: FakeHost) -> dict[str, Device]:
+    return {d.address: d for d in discover(host.sysfs, host.proc, DB).devices}
+
+
+def host_with(tmp_path, *devices, **options) -> FakeHost:
+    """A host with a root port on bus 00 and the given (address, ids, group) devices below it."""
+    host = FakeHost(tmp_path, **options)
+    host.add_root_port("0000:00:01.0", "3b", iommu_group=1 if host.iommu else None)
+    for address, ids, group in devices:
+        host.add_device(address, *ids, iommu_group=group)
+    return host
+
+
+def test_free_gpus_with_their_audio_function_are_eligible_and_pooled(tmp_path):
+    devices = scan(gpu_node(tmp_path))
+    for address in ("0000:3b:00.0", "0000:3b:00.1", "0000:af:00.0", "0000:af:00.1"):
+        assert devices[address].eligible and devices[address].reported and devices[address].reason == ""
+    assert devices["0000:3b:00.0"].resource_name == "nvidia.com/GA102GL_A10"
+    assert devices["0000:3b:00.1"].resource_name == ""
+    assert devices["0000:af:00.0"].numa_node == 1 and devices["0000:af:00.0"].iommu_group == 21
+    assert devices["0000:3b:00.0"].driver == "nvidia"
+    assert devices["0000:3b:00.0"].name == "GA102GL [A10]"
+    assert devices["0000:3b:00.0"].vendor_name == "NVIDIA Corporation"
+
+
+def test_a_display_controller_of_another_vendor_is_eligible_without_a_pool(tmp_path):
+    devices = scan(host_with(tmp_path, ("0000:3b:00.0", ("102b", "0536", "030000"), 5)))
+    assert devices["0000:3b:00.0"].eligible and devices["0000:3b:00.0"].resource_name == ""
+
+
+def test_without_iommu_nothing_is_eligible_and_the_reason_says_how_to_turn_it_on(tmp_path):
+    found = discover(*_roots(host_with(tmp_path, ("0000:3b:00.0", GPU, None), iommu=False)), DB)
+    assert not found.node.iommu_enabled
+    gpu = {d.address: d for d in found.devices}["0000:3b:00.0"]
+    assert not gpu.eligible and gpu.reported
+    assert "IOMMU is not enabled" in gpu.reason and "intel_iommu=on" in gpu.reason and "amd_iommu=on" in gpu.reason
+
+
+def test_a_device_without_an_iommu_group_on_an_iommu_host_is_not_eligible(tmp_path):
+    devices = scan(host_with(tmp_path, ("0000:3b:00.0", GPU, None), ("0000:3b:00.1", AUDIO, 7)))
+    assert not devices["0000:3b:00.0"].eligible and "no IOMMU group" in devices["0000:3b:00.0"].reason
+    assert devices["0000:3b:00.0"].iommu_group == -1
+    assert devices["0000:3b:00.1"].eligible
+
+
+def test_a_device_on_bus_00_is_left_out(tmp_path):
+    host = host_with(tmp_path)
+    host.add_device("0000:00:02.0", "8086", "3e92", "030000", iommu_group=2)  # an integrated GPU
+    device = scan(host)["0000:00:02.0"]
+    assert not device.reported and not device.eligible and "bus 00" in device.reason
+
+
+@pytest.mark.parametrize(
+    ("class_code", "what"),
+    [("060400", "bridge"), ("050000", "memory controller"), ("088000", "system peripheral")],
+)
+def test_bridges_memory_controllers_and_system_peripherals_are_left_out(tmp_path, class_code, what):
+    device = scan(host_with(tmp_path, ("0000:3b:00.0", ("8086", "2021", class_code), 5)))["0000:3b:00.0"]
+    assert not device.reported and not device.eligible and what in device.reason
+
+
+def test_a_nic_with_an_interface_up_is_not_eligible(tmp_path):
+    devices = scan(storage_node(tmp_path))
+    assert not devices["0000:18:00.0"].eligible and devices["0000:18:00.0"].reported
+    assert devices["0000:18:00.0"].reason.startswith("network interface eth0 is up;")
+    assert "ip link set eth0 down" in devices["0000:18:00.0"].reason
+    assert devices["0000:18:00.1"].eligible
+
+
+def test_bringing_the_interface_down_makes_the_nic_eligible(tmp_path):
+    host = storage_node(tmp_path)
+    host.set_netdev("eth0", up=False)
+    assert scan(host)["0000:18:00.0"].eligible
+
+
+def test_an_interface_set_up_without_a_cable_is_still_in_use(tmp_path):
+    host = storage_node(tmp_path)
+    host.set_netdev("eth1", up=True, carrier=False)  # operstate "down", IFF_UP set
+    assert "eth1 is up" in scan(host)["0000:18:00.1"].reason
+
+
+def test_operstate_decides_when_there_are_no_flags(tmp_path):
+    host = storage_node(tmp_path)
+    for ifname in ("eth0", "eth1"):
+        (host.sysfs / "class" / "net" / ifname / "flags").unlink()
+    devices = scan(host)
+    assert not devices["0000:18:00.0"].eligible and "eth0 is up" in devices["0000:18:00.0"].reason
+    assert devices["0000:18:00.1"].eligible
+
+
+def test_a_free_nvme_drive_is_eligible(tmp_path):
+    assert scan(storage_node(tmp_path))["0000:3d:00.0"].eligible
+
+
+@pytest.mark.parametrize(
+    ("use", "said"),
+    [
+        (lambda h: h.mount("nvme0n1p1", "/var/lib/data"), "nvme0n1p1 is mounted on /var/lib/data"),
+        (lambda h: h.mount("nvme0n1", "/srv"), "nvme0n1 is mounted on /srv"),
+        (lambda h: h.swapon("nvme0n1p2"), "nvme0n1p2 is used as swap"),
+        (lambda h: h.hold("nvme0n1p2", "dm-0"), "nvme0n1p2 is held by dm-0"),
+        (lambda h: h.hold("nvme0n1", "md127"), "nvme0n1 is held by md127"),
+    ],
+    ids=["partition mounted", "disk mounted", "swap", "held by dm", "held by raid"],
+)
+def test_a_storage_controller_with_a_block_device_in_use_is_not_eligible(tmp_path, use, said):
+    host = storage_node(tmp_path)
+    use(host)
+    nvme = scan(host)["0000:3d:00.0"]
+    assert not nvme.eligible and nvme.reported
+    assert nvme.reason.startswith(f"block device {said}")
+
+
+def test_a_block_device_in_use_keeps_any_controller_from_passthrough(tmp_path):
+    host = host_with(tmp_path, ("0000:3b:00.0", ("8086", "a36d", "0c0330"), 5))  # a USB controller
+    host.add_block("0000:3b:00.0", "sda", ("sda1",))
+    host.mount("sda1", "/boot")
+    assert "sda1 is mounted on /boot" in scan(host)["0000:3b:00.0"].reason
+
+
+def test_bridges_in_the_group_do_not_count(tmp_path):
+    host = FakeHost(tmp_path)
+    host.add_root_port("0000:00:01.0", "3b", iommu_group=9)
+    host.add_device("0000:3b:00.0", *GPU, iommu_group=9)
+    devices = scan(host)
+    assert devices["0000:3b:00.0"].eligible and not devices["0000:00:01.0"].reported
+
+
+def test_one_busy_member_makes_the_whole_group_ineligible(tmp_path):
+    host = host_with(tmp_path, ("0000:3b:00.0", NIC, 12), ("0000:3b:00.1", NIC, 12), ("0000:3b:00.2", NIC, 12))
+    host.add_netdev("0000:3b:00.0", "eth0", up=False)
+    host.add_netdev("0000:3b:00.1", "eth1", up=False)
+    host.add_netdev("0000:3b:00.2", "eth2", up=True)
+    devices = scan(host)
+    assert devices["0000:3b:00.2"].reason.startswith("network interface eth2 is up")
+    for free in ("0000:3b:00.0", "0000:3b:00.1"):
+        assert not devices[free].eligible
+        # The reason names the member that is busy for its own reason, not another held one.
+        assert devices[free].reason.startswith("IOMMU group 12 also holds 0000:3b:00.2 (network interface eth2 is up);")
+        assert "passed through whole" in devices[free].reason
+
+
+def test_a_left_out_member_that_is_not_a_bridge_holds_its_group_back(tmp_path):
+    host = host_with(tmp_path, ("0000:3b:00.0", GPU, 4))
+    host.add_device("0000:00:1f.4", "8086", "a323", "0c0500", iommu_group=4)  # SMBus, on bus 00
+    gpu = scan(host)["0000:3b:00.0"]
+    assert not gpu.eligible and "0000:00:1f.4" in gpu.reason and "bus 00" in gpu.reason
+
+
+def test_a_group_member_that_is_not_a_pci_device_holds_the_group_back(tmp_path):
+    host = host_with(tmp_path, ("0000:3b:00.0", GPU, 4))
+    platform = tmp_path / "sys" / "devices" / "platform" / "80860F28:00"
+    platform.mkdir(parents=True)
+    (host.sysfs / "kernel" / "iommu_groups" / "4" / "devices" / "80860F28:00").symlink_to(
+        "../../../../devices/platform/80860F28:00"
+    )
+    gpu = scan(host)["0000:3b:00.0"]
+    assert not gpu.eligible and "80860F28:00" in gpu.reason
+
+
+def test_without_vfio_pci_the_node_says_so_and_devices_stay_eligible(tmp_path):
+    found = discover(*_roots(host_with(tmp_path, ("0000:3b:00.0", GPU, 4), vfio=False)), DB)
+    assert found.node.iommu_enabled and not found.node.vfio_available
+    assert all(d.eligible for d in found.devices if d.reported)
+
+
+def test_vfio_pci_counts_as_available_when_only_the_module_is_loaded(tmp_path):
+    host = host_with(tmp_path, vfio=False)
+    (host.sysfs / "module" / "vfio_pci").mkdir()
+    assert discover(*_roots(host), DB).node.vfio_available
+
+
+def test_a_vanished_device_is_no_longer_listed(tmp_path):
+    host = gpu_node(tmp_path)
+    host.remove_device("0000:af:00.0")
+    devices = scan(host)
+    assert "0000:af:00.0" not in devices
+    assert devices["0000:af:00.1"].eligible and devices["0000:3b:00.0"].eligible
+
+
+def test_devices_are_sorted_by_address(tmp_path):
+    addresses = [d.address for d in discover(*_roots(gpu_node(tmp_path)), DB).devices]
+    assert addresses == sorted(addresses) and len(addresses) == 7
+
+
+def _roots(host: FakeHost) -> tuple[Path, Path]:
+    return host.sysfs, host.proc
