@@ -45,6 +45,11 @@ def writes_between(before: Counter, after: Counter, *resources: str) -> int:
     return sum(v - before.get(k, 0) for k, v in after.items() if not resources or k[0] in resources)
 
 
+def diff(before: Counter, after: Counter) -> dict:
+    """The writes between two counts, by (resource, verb): for assertion messages."""
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
 async def quiet(api: client.ApiClient, resources: tuple[str, ...], settle: float = 3, timeout: float = 60) -> None:
     """Wait until no write to `resources` has happened for `settle` seconds."""
     deadline = time.monotonic() + timeout

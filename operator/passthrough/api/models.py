@@ -199,6 +199,7 @@ class AllowListMismatch(APIModel):
     pciVendorSelector: str = ""
     nodeName: str = ""
     pciAddress: str = ""
+    expected: str = Field(default="", description="The allow-list's name for this card, when a node calls it otherwise.")
 
 
 class PassthroughConfigStatus(APIModel):
@@ -209,11 +210,13 @@ class PassthroughConfigStatus(APIModel):
     mediatedDevices: int = Field(default=0, description="mediatedDevices entries applied.")
     warnings: list[str] = Field(default_factory=list)
     notAdvertised: list[AllowListMismatch] = Field(
-        default_factory=list, description="Allow-listed resource names no node advertises."
+        default_factory=list, description="Allow-listed resource names no node advertises (the first 50)."
     )
+    notAdvertisedCount: int = 0
     notPermitted: list[AllowListMismatch] = Field(
-        default_factory=list, description="GPUs nodes advertise that the allow-list lacks."
+        default_factory=list, description="GPUs nodes advertise that the allow-list lacks (the first 50)."
     )
+    notPermittedCount: int = 0
 
 
 @dataclass(frozen=True)

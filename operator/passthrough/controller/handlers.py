@@ -17,6 +17,7 @@ import kopf
 
 from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE, VERSION
 from passthrough.controller import reconciler as rec
+from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView
 from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.k8s import connect
 
@@ -49,7 +50,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     memo.api = await connect(memo.get("kubeconfig"))
-    indices = {name: kwargs[name] for name in (rec.NODE_DEVICES, rec.DEVICES, rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS)}
+    indices = {
+        name: kwargs[name]
+        for name in (rec.NODE_DEVICES, rec.DEVICES, rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS)
+    }
     memo.reconciler = rec.Reconciler(
         memo.api, indices, default_grace=memo.get("grace", datetime.timedelta(minutes=10)), workers=memo.get("workers", 16)
     )
@@ -113,8 +117,13 @@ def namespaces_index(name: str, status: kopf.Status, **_: Any) -> dict[str, str]
 
 
 @kopf.index(GROUP, VERSION, PASSTHROUGH_CONFIG.plural, id=rec.CONFIGS)
-def configs_index(name: str, spec: kopf.Spec, **_: Any) -> dict[str, int | None]:
-    return {name: (spec.get("devices") or {}).get("notFoundGracePeriodSeconds")}
+def configs_index(name: str, body: kopf.Body, **_: Any) -> dict[str, ConfigView]:
+    return {name: ConfigView.of(body)}
+
+
+@kopf.index("kubevirt.io", "v1", "kubevirts", id=rec.KUBEVIRTS)
+def kubevirts_index(name: str, namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], KubeVirtView]:
+    return {(namespace, name): KubeVirtView.of(body)}
 
 
 # -- events: enqueue the affected device names ---------------------------------------------------
@@ -130,11 +139,19 @@ async def _enqueue(memo: kopf.Memo, names) -> None:
 @kopf.on.event(GROUP, VERSION, NODE_PCI_DEVICE.plural)
 async def node_device_event(name: str, memo: kopf.Memo, **_: Any) -> None:
     await _enqueue(memo, [name])
+    memo.reconciler.sync_kubevirt_soon()  # what nodes advertise feeds the mismatch report
 
 
 @kopf.on.event(GROUP, VERSION, PCI_DEVICE.plural)
 async def device_event(name: str, memo: kopf.Memo, **_: Any) -> None:
     await _enqueue(memo, [name])
+    memo.reconciler.sync_kubevirt_soon()  # each assigned device has its exclusive entry
+
+
+@kopf.on.event("kubevirt.io", "v1", "kubevirts")
+async def kubevirt_event(memo: kopf.Memo, **_: Any) -> None:
+    await _enqueue(memo, [])
+    memo.reconciler.sync_kubevirt_soon()  # it appeared, or someone edited our fields
 
 
 @kopf.on.event("kubevirt.io", "v1", "virtualmachines")
@@ -157,5 +174,8 @@ async def namespace_event(name: str, memo: kopf.Memo, devices_by_namespace: kopf
 
 @kopf.on.event(GROUP, VERSION, PASSTHROUGH_CONFIG.plural)
 async def config_event(name: str, memo: kopf.Memo, node_devices: kopf.Index, **_: Any) -> None:
-    if name == CONFIG_NAME:  # the grace period may have changed: devices waiting on it decide again
-        await _enqueue(memo, [key for key, store in node_devices.items() if any(d.ready and d.ready.reason == "NotFound" for d in store)])
+    if name != CONFIG_NAME:
+        return
+    # The grace period may have changed: devices waiting on it decide again.
+    await _enqueue(memo, [key for key, store in node_devices.items() if any(d.ready and d.ready.reason == "NotFound" for d in store)])
+    memo.reconciler.sync_kubevirt_soon()

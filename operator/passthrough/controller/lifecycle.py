@@ -58,6 +58,8 @@ class NodeDevice:
     attached: Cond | None
     attributes: Mapping[str, Any]
     node_name: str
+    resource_name: str = ""
+    mode: str = ""
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> NodeDevice:
@@ -76,6 +78,8 @@ class NodeDevice:
             attached=Cond.of(conditions.get("Attached")),
             attributes=attributes,
             node_name=attributes.get("nodeName") or (meta.get("labels") or {}).get(NODE_LABEL, ""),
+            resource_name=status.get("resourceName") or "",
+            mode=status.get("mode") or "",
         )
 
 
@@ -194,7 +198,7 @@ def format_duration(delta: datetime.timedelta) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
-def _condition(type_: str, new: Cond, old: Cond | None, now: datetime.datetime) -> dict[str, Any]:
+def condition(type_: str, new: Cond, old: Cond | None, now: datetime.datetime) -> dict[str, Any]:
     keep = old is not None and old.status == new.status and old.lastTransitionTime
     return {
         "type": type_,
@@ -343,8 +347,8 @@ def decide(world: World) -> Plan:
                     "metadata": {"name": npci.name},
                     "status": {
                         "conditions": [
-                            _condition("Assigned", assigned, npci.assigned, world.now),
-                            _condition("Attached", attached, npci.attached, world.now),
+                            condition("Assigned", assigned, npci.assigned, world.now),
+                            condition("Attached", attached, npci.attached, world.now),
                         ]
                     },
                 }
@@ -367,10 +371,10 @@ def _device_status(npci: NodeDevice, current: Device | None, vms: tuple[str, ...
     old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
     # Ready is the node's word, transition time included.
     if npci.ready and npci.ready.lastTransitionTime:
-        ready = _condition("Ready", npci.ready, npci.ready, now)
+        ready = condition("Ready", npci.ready, npci.ready, now)
     else:
         unreported = Cond("Unknown", "NotReady", f"The agent on node {npci.node_name or '?'} has not reported this device yet.")
-        ready = _condition("Ready", npci.ready or unreported, old.get("Ready"), now)
+        ready = condition("Ready", npci.ready or unreported, old.get("Ready"), now)
     attached = (
         Cond("True", "AttachedToVirtualMachine", f"Used by {_vm_list(npci.assigned_namespace, vms)}.")
         if vms
@@ -383,7 +387,7 @@ def _device_status(npci: NodeDevice, current: Device | None, vms: tuple[str, ...
         "attachedTo": ", ".join(vms),
         "conditions": [
             ready,
-            _condition("Attached", attached, old.get("Attached"), now),
+            condition("Attached", attached, old.get("Attached"), now),
         ],
     }
 

@@ -15,10 +15,11 @@ from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCI_DEVICE
-from passthrough.controller import lifecycle
+from passthrough.api.models import API_VERSION, CONFIG_NAME, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
+from passthrough.controller import kubevirt_sync, lifecycle
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.k8s import OPERATOR_MANAGER, Custom, EventRecorder
+from passthrough.kubevirt.render import Advertised, AssignedDevice, Rendered
 from passthrough.pci.naming import exclusive_resource_name
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,10 @@ DEVICES = "devices"
 VM_REFERENCES = "vm_references"
 NAMESPACES = "namespaces"
 CONFIGS = "configs"
+KUBEVIRTS = "kubevirts"
+
+# The work-queue key of the KubeVirt CR's sync (device keys are NodePCIDevice names).
+KUBEVIRT = ("kubevirt",)
 
 
 def _values(index: Mapping[Any, Any] | None, key: Any) -> list[Any]:
@@ -58,6 +63,9 @@ class Reconciler:
         self.default_grace = default_grace
         self.node_devices = Custom(api, NODE_PCI_DEVICE.plural)
         self.devices = Custom(api, PCI_DEVICE.plural, namespaced=True)
+        self.configs = Custom(api, PASSTHROUGH_CONFIG.plural)
+        self.kubevirts = Custom(api, "kubevirts", namespaced=True, group="kubevirt.io", version="v1")
+        self.last_good: Rendered | None = None
         self.events = EventRecorder(api, OPERATOR_MANAGER)
         self.queue = WorkQueue()
         self.workers = workers
@@ -74,11 +82,18 @@ class Reconciler:
         async with self._seen:
             self._seen.notify_all()
 
+    def sync_kubevirt_soon(self) -> None:
+        # Bursts (hundreds of assignments, a node's first report) fold into one sync.
+        self.queue.add_after(KUBEVIRT, 0.2)
+
+    def config(self) -> kubevirt_sync.ConfigView | None:
+        found = _values(self.indices.get(CONFIGS), CONFIG_NAME)
+        return found[0] if found else None
+
     def grace(self) -> datetime.timedelta:
-        for seconds in _values(self.indices.get(CONFIGS), "cluster"):
-            if seconds is not None:
-                return datetime.timedelta(seconds=seconds)
-        return self.default_grace
+        config = self.config()
+        seconds = ((config.spec.get("devices") or {}).get("notFoundGracePeriodSeconds")) if config else None
+        return datetime.timedelta(seconds=seconds) if seconds is not None else self.default_grace
 
     def world(self, name: str) -> lifecycle.World:
         node_devices = _values(self.indices[NODE_DEVICES], name)
@@ -113,7 +128,11 @@ class Reconciler:
             log.warning("reconciling %s failed; retry %d in %.1fs", name, failures, delay, exc_info=exc)
         return delay
 
-    async def reconcile(self, name: str) -> None:
+    async def reconcile(self, key) -> None:
+        if key == KUBEVIRT:
+            await self.sync_kubevirt()
+            return
+        name = key
         world = self.world(name)
         plan = lifecycle.decide(world)
         expectations = []
@@ -154,6 +173,54 @@ class Reconciler:
             return ("node-device-gone", "", "")
         raise TypeError(f"unknown write {write!r}")
 
+    async def sync_kubevirt(self) -> None:
+        config = self.config()
+        kubevirt = None
+        if config is not None:
+            found = _values(self.indices.get(KUBEVIRTS), kubevirt_sync.kubevirt_target(config.spec))
+            kubevirt = found[0] if found else None
+        assigned = {}
+        for store in self.indices[DEVICES].values():
+            for device in store:
+                attributes = device.status.get("attributes") or {}
+                if attributes.get("vendorID") and attributes.get("deviceID"):
+                    assigned[device.name] = AssignedDevice(device.name, attributes["vendorID"], attributes["deviceID"])
+        advertised = [
+            Advertised(d.node_name, d.attributes.get("pciAddress", ""), d.attributes.get("vendorID", ""),
+                       d.attributes.get("deviceID", ""), d.resource_name)
+            for store in self.indices[NODE_DEVICES].values() for d in store
+            if d.mode == "Pool" and d.resource_name and not d.deleting
+        ]
+        plan = kubevirt_sync.plan_sync(config, kubevirt, sorted(assigned.values(), key=lambda a: a.name), advertised,
+                                       self.last_good, datetime.datetime.now(datetime.UTC))
+        if plan.rendered is not None:
+            self.last_good = plan.rendered
+        expectations = []
+        if plan.apply is not None:
+            written = await self.kubevirts.apply(plan.apply, OPERATOR_MANAGER)
+            self.writes += 1
+            log.info("applied permittedHostDevices and feature gates to KubeVirt %s/%s",
+                     written["metadata"]["namespace"], written["metadata"]["name"])
+            expectations.append(("kubevirt", written["metadata"]["namespace"], written["metadata"]["name"],
+                                  written["metadata"]["resourceVersion"]))
+        if plan.status is not None:
+            written = await self.configs.apply(plan.status, OPERATOR_MANAGER, status=True)
+            self.writes += 1
+            expectations.append(("config", "", CONFIG_NAME, written["metadata"]["resourceVersion"]))
+        if config is not None:
+            involved = {"api_version": API_VERSION, "kind": PASSTHROUGH_CONFIG.kind, "name": config.name, "uid": config.uid}
+            for type_, reason, message in plan.events:
+                self.events.post(involved, type_, reason, message)
+        if expectations:
+            await self._wait_for(lambda: all(self._config_seen(*e) for e in expectations))
+
+    def _config_seen(self, what: str, namespace: str, name: str, rv: str) -> bool:
+        if what == "kubevirt":
+            found = _values(self.indices.get(KUBEVIRTS), (namespace, name))
+        else:
+            found = _values(self.indices.get(CONFIGS), name)
+        return bool(found) and _rv(found[0].resource_version) >= _rv(rv)
+
     def _satisfied(self, name: str, expectation: tuple[str, str, str]) -> bool:
         what, namespace, rv = expectation
         if what.startswith("node-device"):
@@ -166,13 +233,16 @@ class Reconciler:
             return not found or found[0].deleting
         return bool(found) and _rv(found[0].resource_version) >= _rv(rv)
 
-    async def _wait_until_seen(self, name: str, expectations: list, timeout: float = 10.0) -> None:
+    async def _wait_until_seen(self, name: str, expectations: list) -> None:
+        await self._wait_for(lambda: all(self._satisfied(name, e) for e in expectations))
+
+    async def _wait_for(self, predicate, timeout: float = 10.0) -> None:
         try:
             async with asyncio.timeout(timeout):
                 async with self._seen:
-                    await self._seen.wait_for(lambda: all(self._satisfied(name, e) for e in expectations))
+                    await self._seen.wait_for(predicate)
         except TimeoutError:
-            log.debug("%s: the watch has not shown our writes after %.0fs; deciding again anyway", name, timeout)
+            log.debug("the watch has not shown our writes after %.0fs; deciding again anyway", timeout)
 
     def _post(self, name: str, world: lifecycle.World, event: lifecycle.Event) -> None:
         if event.kind == NODE_PCI_DEVICE.kind:

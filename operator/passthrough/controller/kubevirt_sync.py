@@ -1,0 +1,219 @@
+"""Keeping the KubeVirt CR in line with the PassthroughConfig, as a pure plan.
+
+`plan_sync` takes the config, the live KubeVirt CR, the assigned devices and what the nodes
+advertise, and returns at most one apply for the CR, at most one status for the config, and
+the Events worth telling. It writes nothing when the CR already says what we would write.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from passthrough.api.models import API_VERSION, CONFIG_NAME, PASSTHROUGH_CONFIG
+from passthrough.controller.lifecycle import Cond, condition
+from passthrough.k8s import OPERATOR_MANAGER
+from passthrough.kubevirt.render import Advertised, AssignedDevice, Mismatch, Rendered, ValuesError, mismatches, parse_values, render
+
+# status lists are capped so that a config of thousands of entries keeps a readable status
+MAX_LISTED = 50
+
+
+@dataclass(frozen=True)
+class ConfigView:
+    name: str
+    uid: str
+    generation: int
+    spec: Mapping[str, Any]
+    status: Mapping[str, Any]
+    resource_version: str = ""
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> ConfigView:
+        meta = body["metadata"]
+        return cls(meta["name"], meta.get("uid", ""), int(meta.get("generation") or 0), dict(body.get("spec") or {}),
+                   dict(body.get("status") or {}), meta.get("resourceVersion", ""))
+
+
+@dataclass(frozen=True)
+class KubeVirtView:
+    namespace: str
+    name: str
+    uid: str
+    pci_host_devices: tuple[Mapping[str, Any], ...] | None
+    mediated_devices: tuple[Mapping[str, Any], ...] | None
+    feature_gates: tuple[str, ...]
+    owned: frozenset[str]  # which of our three lists our field manager owns
+    resource_version: str = ""
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> KubeVirtView:
+        meta = body["metadata"]
+        configuration = ((body.get("spec") or {}).get("configuration")) or {}
+        permitted = configuration.get("permittedHostDevices") or {}
+        gates = (configuration.get("developerConfiguration") or {}).get("featureGates") or []
+        pci = permitted.get("pciHostDevices")
+        mdev = permitted.get("mediatedDevices")
+        return cls(
+            namespace=meta.get("namespace", ""),
+            name=meta["name"],
+            uid=meta.get("uid", ""),
+            pci_host_devices=tuple(dict(e) for e in pci) if pci is not None else None,
+            mediated_devices=tuple(dict(e) for e in mdev) if mdev is not None else None,
+            feature_gates=tuple(gates),
+            owned=_owned_lists(meta.get("managedFields") or []),
+            resource_version=meta.get("resourceVersion", ""),
+        )
+
+
+def _owned_lists(managed_fields: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    owned = set()
+    for entry in managed_fields:
+        if entry.get("manager") != OPERATOR_MANAGER or entry.get("operation") != "Apply":
+            continue
+        configuration = ((entry.get("fieldsV1") or {}).get("f:spec") or {}).get("f:configuration") or {}
+        permitted = configuration.get("f:permittedHostDevices") or {}
+        owned |= {key[2:] for key in permitted if key in ("f:pciHostDevices", "f:mediatedDevices")}
+        if "f:featureGates" in (configuration.get("f:developerConfiguration") or {}):
+            owned.add("featureGates")
+    return frozenset(owned)
+
+
+def kubevirt_target(spec: Mapping[str, Any]) -> tuple[str, str]:
+    """(namespace, name) of the KubeVirt CR the values name, defaults filled in."""
+    target = spec.get("kubevirt") or {}
+    return target.get("namespace") or "kubevirt", target.get("name") or "kubevirt"
+
+
+@dataclass
+class SyncPlan:
+    apply: dict[str, Any] | None = None  # KubeVirt CR apply body
+    status: dict[str, Any] | None = None  # PassthroughConfig status apply body
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    rendered: Rendered | None = None  # the configuration now good (to keep when later values are bad)
+
+
+def needs_apply(rendered: Rendered, live: KubeVirtView) -> bool:
+    """Whether applying `rendered` would change the CR (hand edits of our fields included)."""
+    for key, want, have in (
+        ("pciHostDevices", rendered.pci_host_devices, live.pci_host_devices),
+        ("mediatedDevices", rendered.mediated_devices, live.mediated_devices),
+        ("featureGates", rendered.feature_gates, live.feature_gates),
+    ):
+        if want:
+            if [dict(e) if isinstance(e, Mapping) else e for e in (have or ())] != list(want):
+                return True
+        elif key in live.owned:  # we wrote it once and must now let go of it
+            return True
+    return False
+
+
+def _listed(items: list[Mismatch]) -> list[dict[str, str]]:
+    # Every key, empty ones too: the API server fills in the schema's defaults, and a
+    # shorter dict would look like news at every comparison.
+    return [
+        {"resourceName": m.resource_name, "pciVendorSelector": m.selector, "nodeName": m.node,
+         "pciAddress": m.pci_address, "expected": m.expected}
+        for m in items[:MAX_LISTED]
+    ]
+
+
+def plan_sync(
+    config: ConfigView | None,
+    kubevirt: KubeVirtView | None,
+    assigned: Sequence[AssignedDevice],
+    advertised: Sequence[Advertised],
+    last_good: Rendered | None,
+    now: datetime.datetime,
+) -> SyncPlan:
+    plan = SyncPlan()
+    if config is None:
+        return plan  # without the platform values, KubeVirt is not ours to manage
+    target = "/".join(kubevirt_target(config.spec))
+    previous_gates = list(config.status.get("featureGates") or [])
+    live_gates = list(kubevirt.feature_gates) if kubevirt else []
+
+    problems: list[str] = []
+    try:
+        rendered = render(parse_values(config.spec), assigned, live_gates=live_gates, previous_gates=previous_gates)
+        plan.rendered = rendered
+    except ValuesError as exc:
+        problems = exc.problems
+        rendered = last_good  # keep what was applied; a bad edit tears nothing down
+
+    conditions: dict[str, Cond] = {}
+    if problems:
+        kept = " The last good configuration stays applied." if last_good else " Nothing was applied."
+        conditions["Valid"] = Cond("False", "InvalidValues", "; ".join(problems) + kept)
+    else:
+        conditions["Valid"] = Cond("True", "Valid", "The values are valid.")
+
+    if kubevirt is None:
+        conditions["Applied"] = Cond(
+            "False", "WaitingForKubeVirt",
+            f"Waiting for KubeVirt {target}: it is applied as soon as that KubeVirt CR exists "
+            "(or set spec.kubevirt.name and namespace to the CR KubeVirt runs with).",
+        )
+    elif rendered is None:
+        conditions["Applied"] = Cond("False", "InvalidValues", f"Nothing applied to KubeVirt {target}: fix the values.")
+    else:
+        if needs_apply(rendered, kubevirt):
+            plan.apply = rendered.patch
+            plan.events.append(("Normal", "Applied", f"Applied permittedHostDevices and feature gates to KubeVirt {target}."))
+        summary = (f"{len(rendered.pci_host_devices)} pciHostDevices, {len(rendered.mediated_devices)} mediatedDevices, "
+                   f"feature gates {', '.join(rendered.feature_gates)}")
+        if problems:
+            conditions["Applied"] = Cond("True", "LastGoodApplied", f"KubeVirt {target} keeps the last good configuration: {summary}.")
+        else:
+            conditions["Applied"] = Cond("True", "Applied", f"KubeVirt {target} has {summary}.")
+
+    pci = rendered.pci_host_devices if rendered else []
+    not_advertised, not_permitted = mismatches(pci, advertised)
+    if rendered is not None and not pci:
+        conditions["NodesMatchAllowList"] = Cond(
+            "False", "NoAllowList", "permittedHostDevices is empty, so KubeVirt checks no device names at all."
+        )
+    elif not_permitted:
+        first = "; ".join(m.message for m in not_permitted[:3])
+        conditions["NodesMatchAllowList"] = Cond(
+            "False", "NotPermitted",
+            f"{len(not_permitted)} GPU(s) advertised by nodes are not in the allow-list, and VMs asking for them will not start: "
+            f"{first}{' ...' if len(not_permitted) > 3 else ''}. See status.notPermitted.",
+        )
+    else:
+        conditions["NodesMatchAllowList"] = Cond("True", "Match", "Every GPU the nodes advertise is allow-listed.")
+
+    old = {c.get("type"): Cond.of(c) for c in config.status.get("conditions") or []}
+    for type_, cond in conditions.items():
+        if not cond.same(old.get(type_)) and cond.status == "False" and type_ != "Applied":
+            plan.events.append(("Warning", cond.reason, cond.message))
+    warnings = list(rendered.warnings if rendered else [])
+    status = {
+        "observedGeneration": config.generation,
+        "conditions": [condition(t, c, old.get(t), now) for t, c in conditions.items()],
+        "featureGates": list(rendered.our_feature_gates) if rendered and not problems else previous_gates,
+        "pciHostDevices": len(pci),
+        "mediatedDevices": len(rendered.mediated_devices) if rendered else 0,
+        "warnings": warnings,
+        "notAdvertised": _listed(not_advertised),
+        "notAdvertisedCount": len(not_advertised),
+        "notPermitted": _listed(not_permitted),
+        "notPermittedCount": len(not_permitted),
+    }
+    if _status_differs(config.status, status):
+        plan.status = {"apiVersion": API_VERSION, "kind": PASSTHROUGH_CONFIG.kind, "metadata": {"name": CONFIG_NAME},
+                       "status": status}
+    return plan
+
+
+def _status_differs(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    for key, value in wanted.items():
+        if key == "conditions":
+            have = {c.get("type"): Cond.of(c) for c in live.get("conditions") or []}
+            if any(not Cond.of(c).same(have.get(c["type"])) for c in value):
+                return True
+        elif live.get(key) != value and not (value in ([], 0) and key not in live):
+            return True
+    return False

@@ -1,0 +1,250 @@
+"""The KubeVirt CR kept in line with the PassthroughConfig, against KubeVirt's real CRD."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes_asyncio import client
+
+from e2e import fakesysfs, support
+from passthrough.agent.loop import Agent
+from passthrough.k8s import Custom
+from passthrough.pci.pciids import PciIds
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[2]
+DEFAULTS = yaml.safe_load((REPO / "tests/data/cozystack-gpu-passthrough-defaults.yaml").read_text())["pciHostDevices"]
+MERGE = "application/merge-patch+json"
+
+
+@pytest.fixture
+def kinds(api):
+    return Custom(api, "passthroughconfigs"), Custom(api, "kubevirts", namespaced=True, group="kubevirt.io", version="v1")
+
+
+@pytest.fixture
+async def kubevirt_ns(api, unique):
+    """A namespace for this test's KubeVirt CR (each test names its own target)."""
+    core = client.CoreV1Api(api)
+    name = f"kv-{unique}"
+    await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    yield name
+    await core.delete_namespace(name)
+
+
+@pytest.fixture
+async def config(api, kinds, operator):
+    """Writes the `cluster` PassthroughConfig; deleted after the test."""
+    configs, _ = kinds
+
+    async def put(spec: dict) -> None:
+        body = {"apiVersion": "passthrough.io/v1alpha1", "kind": "PassthroughConfig", "metadata": {"name": "cluster"}, "spec": spec}
+        await configs.apply(body, "admin")
+
+    yield put
+    with contextlib.suppress(client.exceptions.ApiException):
+        await configs.delete("cluster")
+    await support.wait_for(lambda: _absent(configs), what="config deleted")
+
+
+async def _absent(configs):
+    return await configs.get("cluster") is None
+
+
+async def create_kubevirt(api, namespace: str, gates=("Snapshot",)) -> dict:
+    body = {
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "KubeVirt",
+        "metadata": {"name": "kubevirt", "namespace": namespace},
+        "spec": {
+            "certificateRotateStrategy": {},
+            "imagePullPolicy": "IfNotPresent",
+            "workloadUpdateStrategy": {"workloadUpdateMethods": ["LiveMigrate"]},
+            "configuration": {
+                "developerConfiguration": {"featureGates": list(gates), "logVerbosity": {"virtLauncher": 2}},
+                "network": {"defaultNetworkInterface": "bridge"},
+            },
+        },
+    }
+    return await client.CustomObjectsApi(api).create_namespaced_custom_object("kubevirt.io", "v1", namespace, "kubevirts", body)
+
+
+def configuration(kv: dict) -> dict:
+    return kv["spec"]["configuration"]
+
+
+def condition(obj: dict, type_: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+async def wait_config(configs, check, what, timeout=20):
+    async def ok():
+        obj = await configs.get("cluster")
+        return obj if obj and check(obj) else None
+
+    return await support.wait_for(ok, timeout, what=what)
+
+
+async def wait_kubevirt(kubevirts, namespace, check, what, timeout=20):
+    async def ok():
+        obj = await kubevirts.get("kubevirt", namespace)
+        return obj if obj and check(obj) else None
+
+    return await support.wait_for(ok, timeout, what=what)
+
+
+def pci_list(kv: dict) -> list[dict]:
+    return (configuration(kv).get("permittedHostDevices") or {}).get("pciHostDevices") or []
+
+
+async def test_first_apply_writes_our_fields_and_leaves_everything_else(api, kinds, config, kubevirt_ns):
+    configs, kubevirts = kinds
+    before = await create_kubevirt(api, kubevirt_ns)
+    await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
+    kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "permittedHostDevices applied")
+    assert pci_list(kv) == DEFAULTS  # Cozystack's table, in its order
+    assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices", "Snapshot"]
+    # Everything else is exactly as it was.
+    assert configuration(kv)["developerConfiguration"]["logVerbosity"] == {"virtLauncher": 2}
+    assert configuration(kv)["network"] == configuration(before)["network"]
+    for key in ("certificateRotateStrategy", "imagePullPolicy", "workloadUpdateStrategy"):
+        assert kv["spec"][key] == before["spec"][key]
+    status = (await wait_config(configs, lambda o: condition(o, "Applied").get("status") == "True", "Applied=True"))["status"]
+    assert status["featureGates"] == ["HostDevices"] and status["pciHostDevices"] == len(DEFAULTS)
+
+
+async def test_an_event_that_changes_nothing_writes_nothing(api, kinds, config, kubevirt_ns):
+    configs, kubevirts = kinds
+    await create_kubevirt(api, kubevirt_ns)
+    await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
+    await wait_config(configs, lambda o: condition(o, "Applied").get("status") == "True", "Applied=True")
+    await support.quiet(api, ("kubevirts", "passthroughconfigs"), settle=1)
+    before = await support.write_counts(api)
+    # Events without news: an annotation on the config, a label on the CR.
+    await client.CustomObjectsApi(api).patch_cluster_custom_object(
+        "passthrough.io", "v1alpha1", "passthroughconfigs", "cluster", {"metadata": {"annotations": {"touched": "1"}}}, _content_type=MERGE)
+    await client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        "kubevirt.io", "v1", kubevirt_ns, "kubevirts", "kubevirt", {"metadata": {"labels": {"touched": "1"}}}, _content_type=MERGE)
+    await asyncio.sleep(2)
+    after = await support.write_counts(api)
+    # Our two patches are the only writes.
+    assert support.writes_between(before, after, "kubevirts", "passthroughconfigs") == 2, support.diff(before, after)
+
+
+async def test_a_hand_edit_of_our_fields_is_reverted(api, kinds, config, kubevirt_ns, cluster):
+    configs, kubevirts = kinds
+    await create_kubevirt(api, kubevirt_ns)
+    await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
+    await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied")
+    cluster.kubectl("patch", "kubevirt", "kubevirt", "-n", kubevirt_ns, "--type=merge", "-p",
+                    '{"spec":{"configuration":{"permittedHostDevices":{"pciHostDevices":[{"pciVendorSelector":"10DE:2236","resourceName":"nvidia.com/mine"}]},'
+                    '"developerConfiguration":{"featureGates":["Snapshot"]}}}}')
+    kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o) == DEFAULTS, "hand edit reverted")
+    assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices", "Snapshot"]
+
+
+async def test_a_kubevirt_cr_created_later_is_configured_as_it_appears(api, kinds, config, kubevirt_ns):
+    configs, kubevirts = kinds
+    await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
+    waiting = await wait_config(configs, lambda o: condition(o, "Applied").get("reason") == "WaitingForKubeVirt", "waiting")
+    assert f"Waiting for KubeVirt {kubevirt_ns}/kubevirt" in condition(waiting, "Applied")["message"]
+    await create_kubevirt(api, kubevirt_ns, gates=())
+    kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied once it exists")
+    assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices"]
+    await wait_config(configs, lambda o: condition(o, "Applied").get("reason") == "Applied", "Applied")
+
+
+async def test_a_conflicting_duplicate_is_refused_and_the_last_good_config_stays(api, kinds, config, kubevirt_ns):
+    configs, kubevirts = kinds
+    await create_kubevirt(api, kubevirt_ns)
+    user = {"pciVendorSelector": "10DE:1B80", "resourceName": "nvidia.com/GP104_GEFORCE_GTX_1080", "externalResourceProvider": True}
+    spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}, "gpu": {"permittedHostDevices": {"pciHostDevices": [user]}}}
+    await config(spec)
+    good = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: len(pci_list(o)) == len(DEFAULTS) + 1, "good config applied")
+    bad = {"pciVendorSelector": "10de:2236", "resourceName": "nvidia.com/A10"}
+    spec["gpu"]["permittedHostDevices"]["pciHostDevices"] = [user, bad]
+    await config(spec)
+    refused = await wait_config(configs, lambda o: condition(o, "Valid").get("status") == "False", "refused")
+    message = condition(refused, "Valid")["message"]
+    assert "nvidia.com/GA102GL_A10" in message and "nvidia.com/A10" in message  # both entries named
+    assert "last good configuration stays applied" in message
+    await asyncio.sleep(1)
+    kv = await kubevirts.get("kubevirt", kubevirt_ns)
+    assert pci_list(kv) == pci_list(good)  # nothing torn down
+    events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
+    assert any(e.type == "Warning" and e.reason == "InvalidValues" for e in events.items)
+
+
+async def test_replacing_the_defaults_with_nothing_removes_the_block_and_warns(api, kinds, config, kubevirt_ns):
+    configs, kubevirts = kinds
+    await create_kubevirt(api, kubevirt_ns)
+    spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}}
+    await config(spec)
+    await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied")
+    await config({**spec, "gpu": {"replaceDefaults": True}})
+    kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: "permittedHostDevices" not in configuration(o), "block removed")
+    assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices", "Snapshot"]
+    status = await wait_config(configs, lambda o: condition(o, "NodesMatchAllowList").get("reason") == "NoAllowList", "warned")
+    assert any("checks no device names" in w for w in status["status"]["warnings"])
+
+
+async def test_extra_feature_gates_come_and_go_while_hand_added_ones_stay(api, kinds, config, kubevirt_ns):
+    configs, kubevirts = kinds
+    await create_kubevirt(api, kubevirt_ns, gates=("Snapshot",))
+    spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns, "extraFeatureGates": ["GPU", "HostDevices", "VMExport"]}}
+    await config(spec)
+    kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: "VMExport" in configuration(o)["developerConfiguration"]["featureGates"], "gates")
+    assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices", "GPU", "VMExport", "Snapshot"]
+    await wait_config(configs, lambda o: (o.get("status") or {}).get("featureGates") == ["HostDevices", "GPU", "VMExport"], "recorded")
+    spec["kubevirt"]["extraFeatureGates"] = ["GPU"]
+    await config(spec)
+    kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: "VMExport" not in configuration(o)["developerConfiguration"]["featureGates"], "dropped")
+    assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices", "GPU", "Snapshot"]
+
+
+async def test_assigned_devices_get_their_exclusive_entry(api, kinds, config, kubevirt_ns, unique):
+    configs, kubevirts = kinds
+    await create_kubevirt(api, kubevirt_ns)
+    await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
+    await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied")
+    node = await support.ensure_node(api, f"kvnode-{unique}")
+    try:
+        name = await support.report_device(api, node, support.gpu("0000:5e:00.0"))
+        await client.CustomObjectsApi(api).patch_cluster_custom_object(
+            "passthrough.io", "v1alpha1", "nodepcidevices", name, {"spec": {"assignedNamespace": kubevirt_ns}}, _content_type=MERGE)
+        wanted = {"pciVendorSelector": "10DE:2236", "resourceName": f"passthrough.io/{name}", "externalResourceProvider": True}
+        await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted in pci_list(o), "exclusive entry")
+    finally:
+        await client.CoreV1Api(api).delete_node(node.name)
+    await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted not in pci_list(o), "exclusive entry gone with the device", 60)
+
+
+async def test_a_node_with_an_older_pci_ids_is_reported_before_a_vm_fails(api, kinds, config, kubevirt_ns, unique, tmp_path):
+    configs, kubevirts = kinds
+    await create_kubevirt(api, kubevirt_ns)
+    await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
+    new, old = await support.ensure_node(api, f"new-{unique}"), await support.ensure_node(api, f"old-{unique}")
+    try:
+        for node, edition in ((new, "2025-07-11"), (old, "2023-04-10")):
+            host = fakesysfs.FakeHost(tmp_path / node.name)
+            host.add_root_port("0000:00:03.0", "3b", iommu_group=10)
+            host.add_device("0000:3b:00.0", "10de", "2321", "030200", driver="vfio-pci", iommu_group=20)  # H100 NVL
+            await Agent(api, node.name, host.sysfs, host.proc, PciIds.load(REPO / f"e2e/data/pci.ids.{edition}")).scan()
+
+        def reported(o):
+            listed = (o.get("status") or {}).get("notPermitted") or []
+            return any(m.get("nodeName") == old.name for m in listed)
+
+        status = (await wait_config(configs, reported, "the old node's name reported"))["status"]
+        [mismatch] = [m for m in status["notPermitted"] if m.get("nodeName") in (old.name, new.name)]
+        assert mismatch == {"resourceName": "nvidia.com/GH100", "pciVendorSelector": "10DE:2321", "nodeName": old.name,
+                            "pciAddress": "0000:3b:00.0", "expected": "nvidia.com/GH100_H100L_94GB"}
+        cond = condition((await configs.get("cluster")), "NodesMatchAllowList")
+        assert cond["status"] == "False" and old.name in cond["message"]
+    finally:
+        for node in (new, old):
+            await client.CoreV1Api(api).delete_node(node.name)
