@@ -113,3 +113,44 @@ async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 30,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}")
         await asyncio.sleep(interval)
+
+
+# --- For the benchmarks ---------------------------------------------------------------------
+
+
+async def write_counts_by_subresource(api: client.ApiClient) -> Counter:
+    """As `write_counts`, by (resource, subresource, verb): a status write apart from a spec write."""
+    text = await _raw(api, "/metrics")
+    counts: Counter = Counter()
+    for line in text.splitlines():
+        match = _METRIC.match(line)
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) if match else {}
+        if labels.get("verb") in WRITE_VERBS:
+            counts[(labels.get("resource", ""), labels.get("subresource", ""), labels["verb"])] += int(float(match.group(2)))
+    return counts
+
+
+def p50_p99(samples: list[float]) -> tuple[float, float]:
+    import statistics
+
+    cuts = statistics.quantiles(samples, n=100, method="inclusive") if len(samples) > 1 else samples * 99
+    return cuts[49], cuts[98]
+
+
+async def create_kubevirt(api: client.ApiClient, namespace: str, gates=("Snapshot",)) -> dict:
+    """A KubeVirt CR named `kubevirt` as an install leaves it: fields of its own beside the ones we manage."""
+    body = {
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "KubeVirt",
+        "metadata": {"name": "kubevirt", "namespace": namespace},
+        "spec": {
+            "certificateRotateStrategy": {},
+            "imagePullPolicy": "IfNotPresent",
+            "workloadUpdateStrategy": {"workloadUpdateMethods": ["LiveMigrate"]},
+            "configuration": {
+                "developerConfiguration": {"featureGates": list(gates), "logVerbosity": {"virtLauncher": 2}},
+                "network": {"defaultNetworkInterface": "bridge"},
+            },
+        },
+    }
+    return await client.CustomObjectsApi(api).create_namespaced_custom_object("kubevirt.io", "v1", namespace, "kubevirts", body)

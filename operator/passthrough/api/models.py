@@ -195,11 +195,13 @@ class PassthroughConfigSpec(APIModel):
 class AllowListMismatch(APIModel):
     """A disagreement between the allow-list and what nodes advertise."""
 
+    # No defaults: the API server would fill every absent key with "" and the list would
+    # read as noise. Absent means "not known for this kind of mismatch".
     resourceName: str
-    pciVendorSelector: str = ""
-    nodeName: str = ""
-    pciAddress: str = ""
-    expected: str = Field(default="", description="The allow-list's name for this card, when a node calls it otherwise.")
+    pciVendorSelector: str | None = None
+    nodeName: str | None = None
+    pciAddress: str | None = None
+    expected: str | None = Field(default=None, description="The allow-list's name for this card, when a node calls it otherwise.")
 
 
 class PassthroughConfigStatus(APIModel):

@@ -111,11 +111,9 @@ def needs_apply(rendered: Rendered, live: KubeVirtView) -> bool:
 
 
 def _listed(items: list[Mismatch]) -> list[dict[str, str]]:
-    # Every key, empty ones too: the API server fills in the schema's defaults, and a
-    # shorter dict would look like news at every comparison.
     return [
-        {"resourceName": m.resource_name, "pciVendorSelector": m.selector, "nodeName": m.node,
-         "pciAddress": m.pci_address, "expected": m.expected}
+        {k: v for k, v in {"resourceName": m.resource_name, "pciVendorSelector": m.selector, "nodeName": m.node,
+                           "pciAddress": m.pci_address, "expected": m.expected}.items() if v}
         for m in items[:MAX_LISTED]
     ]
 
