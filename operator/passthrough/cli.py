@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long an assigned device missing from its node keeps its PCIDevice, unless the "
         "PassthroughConfig sets devices.notFoundGracePeriodSeconds (default 10m)",
     )
-    p.add_argument("--workers", type=int, default=16, help="devices reconciled in parallel (default 16)")
+    p.add_argument("--workers", type=int, default=64, help="devices reconciled in parallel (default 64)")
     p.add_argument("--liveness", default="", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     _add_client_flags(p)
     p.set_defaults(func=_lazy("passthrough.controller.main", "run"))

@@ -36,7 +36,7 @@ async def connect(kubeconfig: str | None = None) -> client.ApiClient:
     configuration = client.Configuration()
     await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
     # Many small requests in parallel (hundreds of devices at start-up) share these.
-    configuration.connection_pool_maxsize = 32
+    configuration.connection_pool_maxsize = 64
     return client.ApiClient(configuration)
 
 

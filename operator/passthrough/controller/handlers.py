@@ -55,7 +55,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
         for name in (rec.NODE_DEVICES, rec.DEVICES, rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS)
     }
     memo.reconciler = rec.Reconciler(
-        memo.api, indices, default_grace=memo.get("grace", datetime.timedelta(minutes=10)), workers=memo.get("workers", 16)
+        memo.api, indices, default_grace=memo.get("grace", datetime.timedelta(minutes=10)), workers=memo.get("workers", 64)
     )
     memo.vm_seen = {}
     memo.indexed = asyncio.Event()

@@ -135,12 +135,23 @@ class Reconciler:
         name = key
         world = self.world(name)
         plan = lifecycle.decide(world)
-        expectations = []
+        # Writes to one object keep their order (a finalizer before the delete it guards);
+        # writes to different objects (the PCIDevice, the NodePCIDevice) go out together.
+        sequences: dict[tuple[str, str], list[Any]] = {}
         for write in plan.writes:
-            expectation = await self._execute(name, write)
-            self.writes += 1
-            if expectation is not None:
-                expectations.append(expectation)
+            namespace = getattr(write, "namespace", None)
+            sequences.setdefault(("device", namespace) if namespace is not None else ("node-device", ""), []).append(write)
+
+        async def carry_out(writes: list[Any]) -> list[tuple[str, str, str]]:
+            done = []
+            for write in writes:
+                expectation = await self._execute(name, write)
+                self.writes += 1
+                if expectation is not None:
+                    done.append(expectation)
+            return done
+
+        expectations = [e for done in await asyncio.gather(*(carry_out(w) for w in sequences.values())) for e in done]
         for event in plan.events:
             self._post(name, world, event)
         if plan.requeue_after is not None:
