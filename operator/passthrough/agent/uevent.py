@@ -35,12 +35,22 @@ def is_pci_hotplug(fields: dict[str, str]) -> bool:
     return fields.get("SUBSYSTEM") == "pci" and fields.get("ACTION") in INTERESTING
 
 
+def open_socket() -> socket.socket:
+    """The kernel's uevent broadcast; raises OSError where it cannot be had."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
+    try:
+        sock.bind((0, KERNEL_GROUP))
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = 0.5) -> None:
     """Call `on_event` once per burst of pci events (a GPU and its audio function arrive together)."""
     try:
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
-        sock.bind((0, KERNEL_GROUP))
-        sock.setblocking(False)
+        sock = open_socket()
     except OSError as exc:
         log.warning("kernel hotplug events are not available (%s); relying on the periodic rescan", exc)
         return
