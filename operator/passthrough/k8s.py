@@ -28,20 +28,26 @@ NODE_LABEL = "passthrough.io/node"
 VFIO_LABEL = "passthrough.io/vfio"
 
 
+class CannotStart(RuntimeError):
+    """No kubeconfig, no API server, no CRDs: the message says what to do."""
+
+
 async def connect(kubeconfig: str | None = None) -> client.ApiClient:
     """An API client from the in-cluster service account, else from a kubeconfig."""
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
         config.load_incluster_config()
         return client.ApiClient()
     configuration = client.Configuration()
-    await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    try:
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    except (config.ConfigException, OSError) as exc:
+        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise CannotStart(
+            f"no usable kubeconfig at {where} ({exc}); pass --kubeconfig, set KUBECONFIG, or run in a pod"
+        ) from None
     # Many small requests in parallel (hundreds of devices at start-up) share these.
     configuration.connection_pool_maxsize = 64
     return client.ApiClient(configuration)
-
-
-class NotInstalled(RuntimeError):
-    """The cluster lacks what we need (CRDs, API server); the message says what to do."""
 
 
 async def require_crds(api: client.ApiClient, *plurals: str) -> None:
@@ -50,16 +56,16 @@ async def require_crds(api: client.ApiClient, *plurals: str) -> None:
         resources = await client.CustomObjectsApi(api).get_api_resources(GROUP, VERSION)
     except ApiException as exc:
         if exc.status == 404:
-            raise NotInstalled(
+            raise CannotStart(
                 f"the {GROUP} CRDs are not installed in this cluster: kubectl apply -f crds/ (or install the chart)"
             ) from None
-        raise NotInstalled(f"cannot read {GROUP}/{VERSION} from the API server: {exc.status} {exc.reason}") from None
+        raise CannotStart(f"cannot read {GROUP}/{VERSION} from the API server: {exc.status} {exc.reason}") from None
     except OSError as exc:
-        raise NotInstalled(f"cannot reach the API server: {exc}") from None
+        raise CannotStart(f"cannot reach the API server: {exc}") from None
     names = {r.name for r in resources.resources or []}
     missing = [p for p in plurals if p not in names]
     if missing:
-        raise NotInstalled(f"CRDs missing from the cluster: {', '.join(f'{p}.{GROUP}' for p in missing)}; kubectl apply -f crds/")
+        raise CannotStart(f"CRDs missing from the cluster: {', '.join(f'{p}.{GROUP}' for p in missing)}; kubectl apply -f crds/")
 
 
 class Custom:

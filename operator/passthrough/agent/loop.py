@@ -19,7 +19,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.agent import report
 from passthrough.api.models import NODE_PCI_DEVICE
-from passthrough.k8s import AGENT_MANAGER, APPLY, NODE_LABEL, VFIO_LABEL, Custom, Mirror, NotInstalled, require_crds
+from passthrough.k8s import AGENT_MANAGER, APPLY, NODE_LABEL, VFIO_LABEL, Custom, Mirror, CannotStart, require_crds
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.pciids import PciIds
 
@@ -75,7 +75,7 @@ class Agent:
     async def preflight(self) -> None:
         try:
             await require_crds(self.api, NODE_PCI_DEVICE.plural)
-        except NotInstalled as exc:
+        except CannotStart as exc:
             raise AgentError(str(exc)) from None
 
     async def run(self) -> None:

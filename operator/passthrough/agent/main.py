@@ -14,7 +14,7 @@ from pathlib import Path
 from passthrough.agent import uevent
 from passthrough.agent.loop import Agent, AgentError
 from passthrough.durations import DurationError, parse_duration
-from passthrough.k8s import connect
+from passthrough.k8s import CannotStart, connect
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger("passthrough.agent")
@@ -64,6 +64,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return asyncio.run(_main(args, rescan))
-    except AgentError as exc:
+    except (AgentError, CannotStart) as exc:
         print(f"passthrough agent: {exc}", file=sys.stderr)
         return 1

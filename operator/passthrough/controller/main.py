@@ -13,7 +13,7 @@ import kopf
 
 from passthrough.api.models import NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.durations import DurationError, parse_duration
-from passthrough.k8s import NotInstalled, connect, require_crds
+from passthrough.k8s import CannotStart, connect, require_crds
 
 
 async def _preflight(kubeconfig: str | None) -> None:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["KUBECONFIG"] = args.kubeconfig  # Kopf's own client logs in from it
     try:
         asyncio.run(_preflight(args.kubeconfig))
-    except NotInstalled as exc:
+    except CannotStart as exc:
         print(f"passthrough operator: {exc}", file=sys.stderr)
         return 1
 

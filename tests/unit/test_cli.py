@@ -1,0 +1,41 @@
+"""The `passthrough` command: help for every subcommand, and clear errors that lose nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+COMMANDS = ["operator", "agent", "discover", "render", "resource-name", "crds"]
+
+
+def run(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "passthrough", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_has_help(command):
+    result = run(command, "--help")
+    assert result.returncode == 0 and result.stdout.startswith(f"usage: passthrough {command}")
+
+
+@pytest.mark.parametrize("command", ["operator", "agent"])
+def test_without_a_usable_kubeconfig_the_message_says_what_to_do(command, tmp_path):
+    result = run(command, "--node-name=n1", f"--kubeconfig={tmp_path / 'missing'}") if command == "agent" else run(
+        command, f"--kubeconfig={tmp_path / 'missing'}")
+    assert result.returncode == 1
+    assert "no usable kubeconfig" in result.stderr and "--kubeconfig" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["agent", "--node-name=n1", "--rescan-interval=soon"], "--rescan-interval: 'soon' is not a duration"),
+        (["operator", "--not-found-grace=-5m"], "--not-found-grace"),
+    ],
+)
+def test_a_bad_duration_is_a_usage_error(args, message):
+    result = run(*args)
+    assert result.returncode == 2 and message in result.stderr
