@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-_PART = re.compile(r"(\d+(?:\.\d+)?)(h|m|s|ms)")
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 
