@@ -1,0 +1,72 @@
+"""What the agent writes per device, and when it writes nothing."""
+
+from __future__ import annotations
+
+from e2e.support import gpu
+from passthrough.agent import report
+
+NODE = report.Node("gpu-1", "node-uid")
+
+
+def live_after_apply(body: dict) -> dict:
+    """The object as the API server returns it: the schema's defaults filled in."""
+    status = {**body["status"]}
+    status["attributes"] = {"vendorName": "", "subsystemVendorID": "", "subsystemDeviceID": "", **status["attributes"]}
+    return {"metadata": {"name": body["metadata"]["name"]}, "status": status}
+
+
+def test_an_unchanged_device_needs_no_write_even_with_server_defaults():
+    device = gpu("0000:3b:00.0")
+    name = report.object_name(device, NODE.name)
+    desired = report.present_status(device, name, NODE.name, "")
+    live = live_after_apply(report.status_body(name, desired, None))
+    assert not report.changed(desired, live)
+
+
+def test_a_changed_driver_or_eligibility_is_a_write():
+    device = gpu("0000:3b:00.0")
+    name = report.object_name(device, NODE.name)
+    live = live_after_apply(report.status_body(name, report.present_status(device, name, NODE.name, ""), None))
+    rebound = gpu("0000:3b:00.0").__class__(**{**device.__dict__, "driver": "nvidia"})
+    assert report.changed(report.present_status(rebound, name, NODE.name, ""), live)
+    busy = device.__class__(**{**device.__dict__, "eligible": False, "reason": "network interface eth0 is up"})
+    assert report.changed(report.present_status(busy, name, NODE.name, ""), live)
+
+
+def test_assignment_swaps_the_pool_name_for_the_exclusive_one():
+    device = gpu("0000:3b:00.0")
+    name = report.object_name(device, NODE.name)
+    pooled = report.present_status(device, name, NODE.name, "")
+    assigned = report.present_status(device, name, NODE.name, "team-a")
+    assert (pooled["resourceName"], pooled["mode"]) == ("nvidia.com/GA102GL_A10", "Pool")
+    assert (assigned["resourceName"], assigned["mode"]) == (f"passthrough.io/{name}", "Exclusive")
+
+
+def test_a_missing_device_keeps_its_attributes_and_says_where_it_was():
+    device = gpu("0000:3b:00.0")
+    name = report.object_name(device, NODE.name)
+    live = live_after_apply(report.status_body(name, report.present_status(device, name, NODE.name, ""), None))
+    gone = report.missing_status(live, NODE.name)
+    [ready] = gone["conditions"]
+    assert (ready["status"], ready["reason"]) == ("False", "NotFound")
+    assert "0000:3b:00.0" in ready["message"] and "gpu-1" in ready["message"]
+    assert gone["attributes"] == live["status"]["attributes"]
+
+
+def test_transition_time_moves_only_when_the_status_flips():
+    device = gpu("0000:3b:00.0")
+    name = report.object_name(device, NODE.name)
+    first = report.status_body(name, report.present_status(device, name, NODE.name, ""), None)
+    live = live_after_apply(first)
+    live["status"]["conditions"][0]["lastTransitionTime"] = "2026-01-01T00:00:00Z"
+    again = report.status_body(name, report.present_status(device, name, NODE.name, "team-a"), live)
+    assert again["status"]["conditions"][0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    flipped = report.status_body(name, report.missing_status(live, NODE.name), live)
+    assert flipped["status"]["conditions"][0]["lastTransitionTime"] != "2026-01-01T00:00:00Z"
+
+
+def test_identity_owns_the_object_by_its_node():
+    body = report.identity("pci-x", NODE)
+    assert body["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": "gpu-1", "uid": "node-uid"}]
+    assert report.has_identity(body, NODE)
+    assert not report.has_identity(body, report.Node("gpu-1", "a-new-uid"))  # the Node was re-created

@@ -1,0 +1,90 @@
+"""The operator's KubeVirt sync as a plan: one apply when something changes, none otherwise."""
+
+from __future__ import annotations
+
+import datetime
+
+from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, needs_apply, plan_sync
+from passthrough.kubevirt.render import Advertised, AssignedDevice
+
+NOW = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
+
+
+def config(spec=None, status=None, generation=1) -> ConfigView:
+    return ConfigView("cluster", "uid", generation, spec or {}, status or {})
+
+
+def kubevirt_after(plan, owned=frozenset({"pciHostDevices", "featureGates"})) -> KubeVirtView:
+    """The CR once the plan's apply landed."""
+    body = {"metadata": {"name": "kubevirt", "namespace": "kubevirt", "managedFields": []}, **plan.apply}
+    view = KubeVirtView.of(body)
+    return KubeVirtView(view.namespace, view.name, view.uid, view.pci_host_devices, view.mediated_devices, view.feature_gates, owned)
+
+
+def status_after(plan) -> dict:
+    return plan.status["status"]
+
+
+def test_no_config_means_kubevirt_is_not_ours_to_touch():
+    plan = plan_sync(None, KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset()), [], [], None, NOW)
+    assert plan.apply is None and plan.status is None
+
+
+def test_first_sync_applies_and_a_second_writes_nothing():
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, ("Snapshot",), frozenset())
+    first = plan_sync(config(), live, [], [], None, NOW)
+    assert first.apply is not None and first.status is not None
+    second = plan_sync(config(status=status_after(first)), kubevirt_after(first), [], [], first.rendered, NOW)
+    assert second.apply is None and second.status is None and second.events == []
+
+
+def test_a_hand_edit_of_our_list_is_seen():
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    first = plan_sync(config(), live, [], [], None, NOW)
+    edited = kubevirt_after(first)
+    edited = KubeVirtView(edited.namespace, edited.name, "", edited.pci_host_devices[:-1], None, edited.feature_gates, edited.owned)
+    assert needs_apply(first.rendered, edited)
+
+
+def test_an_emptied_allow_list_lets_go_of_what_we_owned():
+    first = plan_sync(config(), KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset()), [], [], None, NOW)
+    owned = kubevirt_after(first)
+    emptied = plan_sync(config({"gpu": {"replaceDefaults": True}}, status_after(first)), owned, [], [], first.rendered, NOW)
+    assert emptied.apply is not None and "permittedHostDevices" not in emptied.apply["spec"]["configuration"]
+    # A block someone else owns stays theirs: nothing to write about it.
+    theirs = KubeVirtView("kubevirt", "kubevirt", "", owned.pci_host_devices, None, owned.feature_gates, frozenset({"featureGates"}))
+    assert not needs_apply(emptied.rendered, theirs)
+
+
+def test_bad_values_keep_the_last_good_configuration():
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    good = plan_sync(config(), live, [], [], None, NOW)
+    bad_spec = {"gpu": {"permittedHostDevices": {"pciHostDevices": [{"pciVendorSelector": "10DE:2236", "resourceName": "nvidia.com/A10"}]}}}
+    bad = plan_sync(config(bad_spec, status_after(good), generation=2), kubevirt_after(good), [], [], good.rendered, NOW)
+    assert bad.apply is None and bad.rendered is None
+    conditions = {c["type"]: c for c in status_after(bad)["conditions"]}
+    assert conditions["Valid"]["status"] == "False" and "nvidia.com/GA102GL_A10" in conditions["Valid"]["message"]
+    assert conditions["Applied"]["reason"] == "LastGoodApplied"
+    assert ("Warning", "InvalidValues") in [(t, r) for t, r, _ in bad.events]
+
+
+def test_assigned_devices_and_an_older_node_show_up():
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    assigned = [AssignedDevice("pci-abc", "10de", "2236")]
+    old_node = [Advertised("old-1", "0000:3b:00.0", "10de", "2321", "nvidia.com/GH100")]
+    plan = plan_sync(config(), live, assigned, old_node, None, NOW)
+    entries = plan.apply["spec"]["configuration"]["permittedHostDevices"]["pciHostDevices"]
+    assert entries[-1] == {"pciVendorSelector": "10DE:2236", "resourceName": "passthrough.io/pci-abc", "externalResourceProvider": True}
+    status = status_after(plan)
+    assert status["notPermittedCount"] == 1
+    assert status["notPermitted"] == [{"resourceName": "nvidia.com/GH100", "pciVendorSelector": "10DE:2321", "nodeName": "old-1",
+                                       "pciAddress": "0000:3b:00.0", "expected": "nvidia.com/GH100_H100L_94GB"}]
+    match = {c["type"]: c for c in status["conditions"]}["NodesMatchAllowList"]
+    assert match["status"] == "False" and "old-1" in match["message"]
+
+
+def test_waiting_for_a_missing_kubevirt_cr():
+    plan = plan_sync(config({"kubevirt": {"name": "kv", "namespace": "virt"}}), None, [], [], None, NOW)
+    applied = {c["type"]: c for c in status_after(plan)["conditions"]}["Applied"]
+    assert applied["reason"] == "WaitingForKubeVirt" and "virt/kv" in applied["message"]
+    assert plan.apply is None
