@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -131,8 +132,6 @@ async def write_counts_by_subresource(api: client.ApiClient) -> Counter:
 
 
 def p50_p99(samples: list[float]) -> tuple[float, float]:
-    import statistics
-
     cuts = statistics.quantiles(samples, n=100, method="inclusive") if len(samples) > 1 else samples * 99
     return cuts[49], cuts[98]
 

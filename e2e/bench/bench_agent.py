@@ -15,6 +15,9 @@ What each figure means:
 - restart: all agents stopped and replaced by new Agent objects (empty caches, as after a
   pod restart) running until their first scan is done; writes (0 when the agent reads what
   is there before writing) and time.
+- CPU: seconds spent by this process (every agent), the API server and etcd over each of
+  the three; with all agents in one Python process the agents' side is the bottleneck on a
+  small machine, so the times are an upper bound on what separate agent pods would see.
 - peak RSS of this process, which holds every agent.
 
 Nothing is asserted: a write where 0 is expected is printed, with the API server's breakdown.
@@ -31,6 +34,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psutil  # noqa: E402
 
 from e2e import cluster, fakesysfs, support  # noqa: E402
 from passthrough.agent.loop import Agent, ScanResult  # noqa: E402
@@ -132,13 +137,32 @@ async def reported(api, count: int) -> bool:
     return sum(bool((o.get("status") or {}).get("attributes")) for o in items) >= count
 
 
-def breakdown(before, after) -> str:
-    changes = support.diff(before, after)
-    return ", ".join(f"{resource} {verb} {n}" for (resource, verb), n in sorted(changes.items()) if resource in WATCHED) or "none"
+class Meter:
+    """Over a span: the writes the API server counted, and the CPU time of this process and the control plane."""
+
+    def __init__(self, api, local: cluster.LocalCluster) -> None:
+        self.api = api
+        self.processes = {"this process": psutil.Process(),
+                          **{p.name: psutil.Process(p.pid) for p in local.processes if p.name != "kube-controller-manager"}}  # fmt: skip
+
+    def _cpu(self) -> dict[str, float]:
+        return {name: sum(p.cpu_times()[:2]) for name, p in self.processes.items()}
+
+    async def start(self) -> None:
+        self.counts, self.cpu = await support.write_counts(self.api), self._cpu()
+
+    async def stop(self, per: int = 1) -> tuple[float, str, str]:
+        """Writes, their breakdown and the CPU seconds spent, each divided by `per`."""
+        counts, cpu = await support.write_counts(self.api), self._cpu()
+        changes = {k: n for k, n in support.diff(self.counts, counts).items() if k[0] in WATCHED}
+        breakdown = ", ".join(f"{resource} {verb} {n / per:g}" for (resource, verb), n in sorted(changes.items()))
+        spent = ", ".join(f"{name} {(cpu[name] - self.cpu[name]) / per:.2f} s" for name in cpu)
+        return sum(changes.values()) / per, breakdown or "none", spent
 
 
 async def bench_fleet(local: cluster.LocalCluster, root: Path, nodes: int, per_node: int, rounds: int, pci_ids: PciIds) -> None:
     api = await connect(str(local.kubeconfig))
+    meter = Meter(api, local)
     try:
         names = [f"bench-node-{i:03d}" for i in range(nodes)]
         for name in names:
@@ -150,47 +174,45 @@ async def bench_fleet(local: cluster.LocalCluster, root: Path, nodes: int, per_n
 
         await support.quiet(api, WATCHED, settle=1)
         fleet = Fleet(local.kubeconfig, hosts, pci_ids)
-        before = await support.write_counts(api)
+        await meter.start()
         started = time.monotonic()
         await fleet.start()
         await support.wait_for(lambda: reported(api, total), timeout=600, interval=0.2, what=f"{total} NodePCIDevices")
         first = time.monotonic() - started
         await fleet.scanned(1)
         await support.quiet(api, WATCHED, settle=2)
-        after = await support.write_counts(api)
-        writes = support.writes_between(before, after, *WATCHED)
+        writes, breakdown, cpu = await meter.stop()
         print(f"first report:             {first:.1f} s from agent start to {total} NodePCIDevices listed "
               f"(polled every 0.2 s)")
-        print(f"first report writes:      {writes} ({writes / total:.2f} per device: {breakdown(before, after)})")
+        print(f"first report writes:      {writes:g} ({writes / total:.2f} per device: {breakdown})")
+        print(f"first report CPU:         {cpu}")
 
-        times, writes = [], 0
-        before = await support.write_counts(api)
+        times = []
+        await meter.start()
         for _ in range(rounds):
             started = time.monotonic()
             await fleet.rescan()
             times.append(time.monotonic() - started)
         await asyncio.sleep(1)  # a write the watch echoes back would land here
-        after = await support.write_counts(api)
-        writes = support.writes_between(before, after, *WATCHED)
+        writes, breakdown, cpu = await meter.stop(per=rounds)
         p50, p99 = support.p50_p99(times)
-        print(f"no-op rescan writes:      {writes / rounds:g} per round across {nodes} nodes "
-              f"({rounds} rounds: {breakdown(before, after)})")
+        print(f"no-op rescan writes:      {writes:g} per round across {nodes} nodes ({rounds} rounds: {breakdown})")
         print(f"no-op rescan round:       p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms "
               f"(trigger to the last of {nodes} scans done)")
+        print(f"no-op rescan CPU:         {cpu} per round")
         await fleet.stop()
 
         await support.quiet(api, WATCHED, settle=1)
         restarted = Fleet(local.kubeconfig, hosts, pci_ids)
-        before = await support.write_counts(api)
+        await meter.start()
         started = time.monotonic()
         await restarted.start()
         await restarted.scanned(1)
         elapsed = time.monotonic() - started
         await asyncio.sleep(1)
-        after = await support.write_counts(api)
-        writes = support.writes_between(before, after, *WATCHED)
-        print(f"restart of all agents:    {elapsed:.1f} s to every first scan done, "
-              f"{writes} writes ({breakdown(before, after)})")
+        writes, breakdown, cpu = await meter.stop()
+        print(f"restart of all agents:    {elapsed:.1f} s to every first scan done, {writes:g} writes ({breakdown})")
+        print(f"restart CPU:              {cpu}")
         await restarted.stop()
     finally:
         await api.close()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
@@ -34,15 +33,10 @@ from e2e import cluster as local  # noqa: E402
 from e2e import support  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
 from passthrough.api.models import API_VERSION  # noqa: E402
-from passthrough.k8s import OPERATOR_MANAGER, Custom, connect  # noqa: E402
+from passthrough.k8s import Custom, connect  # noqa: E402
 
 MERGE = "application/merge-patch+json"
 OURS = ("pcidevices", "nodepcidevices")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -61,16 +55,27 @@ class Seen:
         self.waiters: dict[str, asyncio.Event] = {}
 
     async def run(self) -> None:
-        listing = await self.kind.list()
-        rv = listing["metadata"]["resourceVersion"]
+        rv = ""
         while True:
-            async for kind, obj in self.kind.watch(resource_version=rv, timeout=600):
-                rv = obj["metadata"].get("resourceVersion", rv)
-                if kind == "ADDED":
-                    name = obj["metadata"]["name"]
-                    self.first.setdefault(name, time.monotonic())
-                    if name in self.waiters:
-                        self.waiters[name].set()
+            try:
+                if not rv:
+                    listing = await self.kind.list()
+                    rv = listing["metadata"]["resourceVersion"]
+                    for obj in listing["items"]:
+                        self._saw(obj["metadata"]["name"])
+                async for kind, obj in self.kind.watch(resource_version=rv, timeout=600):
+                    rv = obj["metadata"].get("resourceVersion", rv)
+                    if kind == "ADDED":
+                        self._saw(obj["metadata"]["name"])
+            except client.exceptions.ApiException as exc:  # 410 too old, 429 storage initializing
+                if exc.status == 410:
+                    rv = ""
+                await asyncio.sleep(0.2)
+
+    def _saw(self, name: str) -> None:
+        self.first.setdefault(name, time.monotonic())
+        if name in self.waiters:
+            self.waiters[name].set()
 
     async def wait(self, name: str, timeout: float = 60) -> float:
         if name not in self.first:
@@ -156,8 +161,8 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         after = await support.write_counts(api)
         writes = support.writes_between(before, after, *OURS) - len(sequential)  # the admin's own spec writes
         events = support.writes_between(before, after, "events")
-        print(f"sequential: {len(sequential)} assignments one at a time: latency p50 {percentile(latencies, 50) * 1000:.0f} ms, "
-              f"p99 {percentile(latencies, 99) * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms")
+        print(f"sequential: {len(sequential)} assignments one at a time: latency p50 {support.p50_p99(latencies)[0] * 1000:.0f} ms, "
+              f"p99 {support.p50_p99(latencies)[1] * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms")
         print(f"writes per assignment: {writes / len(sequential):.2f} "
               f"(PCIDevice create + status, NodePCIDevice status), plus {events / len(sequential):.2f} Events")
 
@@ -172,8 +177,8 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
         after = await support.write_counts(api)
         burst_writes = support.writes_between(before, after, *OURS) - len(burst)
-        print(f"burst: {len(burst)} assignments at once: latency p50 {percentile(burst_latencies, 50) * 1000:.0f} ms, "
-              f"p99 {percentile(burst_latencies, 99) * 1000:.0f} ms; all visible {total:.2f}s after the first write; "
+        print(f"burst: {len(burst)} assignments at once: latency p50 {support.p50_p99(burst_latencies)[0] * 1000:.0f} ms, "
+              f"p99 {support.p50_p99(burst_latencies)[1] * 1000:.0f} ms; all visible {total:.2f}s after the first write; "
               f"{burst_writes / len(burst):.2f} writes per assignment")
 
         # The floor: the same writes, no operator logic, full concurrency.

@@ -14,7 +14,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from e2e import fakesysfs, support
-from passthrough.agent.loop import Agent, AgentError
+from passthrough.agent.loop import Agent
 from passthrough.k8s import NODE_LABEL, VFIO_LABEL, Custom
 from passthrough.pci.naming import node_pci_device_name
 from passthrough.pci.pciids import PciIds

@@ -55,24 +55,6 @@ async def _absent(configs):
     return await configs.get("cluster") is None
 
 
-async def create_kubevirt(api, namespace: str, gates=("Snapshot",)) -> dict:
-    body = {
-        "apiVersion": "kubevirt.io/v1",
-        "kind": "KubeVirt",
-        "metadata": {"name": "kubevirt", "namespace": namespace},
-        "spec": {
-            "certificateRotateStrategy": {},
-            "imagePullPolicy": "IfNotPresent",
-            "workloadUpdateStrategy": {"workloadUpdateMethods": ["LiveMigrate"]},
-            "configuration": {
-                "developerConfiguration": {"featureGates": list(gates), "logVerbosity": {"virtLauncher": 2}},
-                "network": {"defaultNetworkInterface": "bridge"},
-            },
-        },
-    }
-    return await client.CustomObjectsApi(api).create_namespaced_custom_object("kubevirt.io", "v1", namespace, "kubevirts", body)
-
-
 def configuration(kv: dict) -> dict:
     return kv["spec"]["configuration"]
 
@@ -103,7 +85,7 @@ def pci_list(kv: dict) -> list[dict]:
 
 async def test_first_apply_writes_our_fields_and_leaves_everything_else(api, kinds, config, kubevirt_ns):
     configs, kubevirts = kinds
-    before = await create_kubevirt(api, kubevirt_ns)
+    before = await support.create_kubevirt(api, kubevirt_ns)
     await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
     kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "permittedHostDevices applied")
     assert pci_list(kv) == DEFAULTS  # Cozystack's table, in its order
@@ -119,7 +101,7 @@ async def test_first_apply_writes_our_fields_and_leaves_everything_else(api, kin
 
 async def test_an_event_that_changes_nothing_writes_nothing(api, kinds, config, kubevirt_ns):
     configs, kubevirts = kinds
-    await create_kubevirt(api, kubevirt_ns)
+    await support.create_kubevirt(api, kubevirt_ns)
     await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
     await wait_config(configs, lambda o: condition(o, "Applied").get("status") == "True", "Applied=True")
     await support.quiet(api, ("kubevirts", "passthroughconfigs"), settle=1)
@@ -137,7 +119,7 @@ async def test_an_event_that_changes_nothing_writes_nothing(api, kinds, config, 
 
 async def test_a_hand_edit_of_our_fields_is_reverted(api, kinds, config, kubevirt_ns, cluster):
     configs, kubevirts = kinds
-    await create_kubevirt(api, kubevirt_ns)
+    await support.create_kubevirt(api, kubevirt_ns)
     await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
     await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied")
     cluster.kubectl("patch", "kubevirt", "kubevirt", "-n", kubevirt_ns, "--type=merge", "-p",
@@ -152,7 +134,7 @@ async def test_a_kubevirt_cr_created_later_is_configured_as_it_appears(api, kind
     await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
     waiting = await wait_config(configs, lambda o: condition(o, "Applied").get("reason") == "WaitingForKubeVirt", "waiting")
     assert f"Waiting for KubeVirt {kubevirt_ns}/kubevirt" in condition(waiting, "Applied")["message"]
-    await create_kubevirt(api, kubevirt_ns, gates=())
+    await support.create_kubevirt(api, kubevirt_ns, gates=())
     kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied once it exists")
     assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices"]
     await wait_config(configs, lambda o: condition(o, "Applied").get("reason") == "Applied", "Applied")
@@ -160,7 +142,7 @@ async def test_a_kubevirt_cr_created_later_is_configured_as_it_appears(api, kind
 
 async def test_a_conflicting_duplicate_is_refused_and_the_last_good_config_stays(api, kinds, config, kubevirt_ns):
     configs, kubevirts = kinds
-    await create_kubevirt(api, kubevirt_ns)
+    await support.create_kubevirt(api, kubevirt_ns)
     user = {"pciVendorSelector": "10DE:1B80", "resourceName": "nvidia.com/GP104_GEFORCE_GTX_1080", "externalResourceProvider": True}
     spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}, "gpu": {"permittedHostDevices": {"pciHostDevices": [user]}}}
     await config(spec)
@@ -181,7 +163,7 @@ async def test_a_conflicting_duplicate_is_refused_and_the_last_good_config_stays
 
 async def test_replacing_the_defaults_with_nothing_removes_the_block_and_warns(api, kinds, config, kubevirt_ns):
     configs, kubevirts = kinds
-    await create_kubevirt(api, kubevirt_ns)
+    await support.create_kubevirt(api, kubevirt_ns)
     spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}}
     await config(spec)
     await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied")
@@ -194,7 +176,7 @@ async def test_replacing_the_defaults_with_nothing_removes_the_block_and_warns(a
 
 async def test_extra_feature_gates_come_and_go_while_hand_added_ones_stay(api, kinds, config, kubevirt_ns):
     configs, kubevirts = kinds
-    await create_kubevirt(api, kubevirt_ns, gates=("Snapshot",))
+    await support.create_kubevirt(api, kubevirt_ns, gates=("Snapshot",))
     spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns, "extraFeatureGates": ["GPU", "HostDevices", "VMExport"]}}
     await config(spec)
     kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: "VMExport" in configuration(o)["developerConfiguration"]["featureGates"], "gates")
@@ -208,7 +190,7 @@ async def test_extra_feature_gates_come_and_go_while_hand_added_ones_stay(api, k
 
 async def test_assigned_devices_get_their_exclusive_entry(api, kinds, config, kubevirt_ns, unique):
     configs, kubevirts = kinds
-    await create_kubevirt(api, kubevirt_ns)
+    await support.create_kubevirt(api, kubevirt_ns)
     await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
     await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied")
     node = await support.ensure_node(api, f"kvnode-{unique}")
@@ -225,7 +207,7 @@ async def test_assigned_devices_get_their_exclusive_entry(api, kinds, config, ku
 
 async def test_a_node_with_an_older_pci_ids_is_reported_before_a_vm_fails(api, kinds, config, kubevirt_ns, unique, tmp_path):
     configs, kubevirts = kinds
-    await create_kubevirt(api, kubevirt_ns)
+    await support.create_kubevirt(api, kubevirt_ns)
     await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
     new, old = await support.ensure_node(api, f"new-{unique}"), await support.ensure_node(api, f"old-{unique}")
     try:

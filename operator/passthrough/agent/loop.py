@@ -93,7 +93,7 @@ class Agent:
                     if result.failed:
                         # Some writes failed (API unavailable, conflict): try again soon, not in 5 minutes.
                         asyncio.get_running_loop().call_later(5, self._wake.set)
-                except (ApiException, OSError, asyncio.TimeoutError) as exc:
+                except (ApiException, OSError, TimeoutError) as exc:
                     log.warning("scan failed (%s); retrying in 5s", exc)
                     asyncio.get_running_loop().call_later(5, self._wake.set)
                 await self._wait_for_reason()
@@ -132,6 +132,8 @@ class Agent:
         node = await self._node()
         if node is None:
             return result
+        if not self.mirror.synced.is_set():  # a scan outside run(): know what is there first
+            await self.mirror.relist()
         discovery: Discovery = await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids)
         for problem in discovery.problems:
             self._log_once(problem, "%s", problem)

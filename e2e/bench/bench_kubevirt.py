@@ -1,0 +1,240 @@
+"""Benchmark of the operator keeping the KubeVirt CR in line with the PassthroughConfig.
+
+    .venv/bin/python e2e/bench/bench_kubevirt.py [--changes 50] [--noops 10] [--entries 2000] [--big-runs 3]
+
+The operator runs as its own process against a real control plane, with a KubeVirt CR in
+namespace `kubevirt` and the `cluster` PassthroughConfig naming it. What each figure means:
+- writes per config change: --changes edits of the config (alternately a new
+  extraFeatureGates value and one more pciHostDevices entry), each waited for until the CR and
+  the config's status show it; the API server's write counters over all of them, divided by
+  the number of changes, with the benchmark's own config writes taken out. Separately:
+  the KubeVirt CR, the config's status, anything else the operator writes to the config, and
+  Events.
+- writes per no-op event: --noops annotations touched on the config, then --noops labels
+  on the CR, 0.5 s apart (longer than the operator's 0.2 s debounce, so each is handled on
+  its own); the operator's writes per event, those patches themselves taken out.
+- latency: from just before the config write to the arrival (on a watch) of the CR that
+  shows it, p50 / p99 over the changes; each write comes 0.5 s after the last one landed,
+  so it waits out the whole debounce as an admin's edit would.
+- a large config: the config rewritten with --entries user pciHostDevices entries (all new
+  each run); the time until the CR shows all of them, and the operator's writes.
+Render-only timings are bench_render.py's.
+
+Nothing is asserted: the figures are printed, with the API server's breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psutil  # noqa: E402
+from kubernetes_asyncio import client  # noqa: E402
+
+from e2e import cluster, support  # noqa: E402
+from e2e.processes import OperatorProcess  # noqa: E402
+from passthrough.k8s import Custom, Mirror, connect  # noqa: E402
+
+NAMESPACE = "kubevirt"
+MERGE = "application/merge-patch+json"
+TOUCHED = ("kubevirts", "passthroughconfigs", "events")
+# Longer than the operator's 0.2 s debounce: each write finds it idle, none rides on a pending sync.
+IDLE = 0.5
+CONFIG_WRITE = ("passthroughconfigs", "", "APPLY")  # the benchmark's own, as counted by the API server
+
+
+class WatchedKubeVirt:
+    """The KubeVirt CR as a watch delivers it, so a change is timed when it arrives, not when polled."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.mirror = Mirror(Custom(api, "kubevirts", namespaced=True, group="kubevirt.io", version="v1"))
+
+    @property
+    def latest(self) -> dict | None:
+        return self.mirror.objects.get("kubevirt")
+
+    async def shows(self, check: Callable[[dict], bool], timeout: float = 120) -> float:
+        """Wait until the CR passes `check`; returns the monotonic time that version arrived."""
+
+        async def arrival() -> float:
+            while True:
+                self.mirror.changed.clear()
+                if self.latest and check(self.latest):
+                    return time.monotonic()
+                await self.mirror.changed.wait()
+
+        return await asyncio.wait_for(arrival(), timeout)
+
+
+def pci_list(kv: dict) -> list[dict]:
+    return ((kv["spec"]["configuration"].get("permittedHostDevices") or {}).get("pciHostDevices")) or []
+
+
+def feature_gates(kv: dict) -> list[str]:
+    return kv["spec"]["configuration"].get("developerConfiguration", {}).get("featureGates") or []
+
+
+def entry(i: int, prefix: str = "bench") -> dict:
+    # Vendor 1af4 keeps clear of the default table's 10de selectors.
+    return {"pciVendorSelector": f"1AF4:{i:04X}", "resourceName": f"example.com/{prefix}-{i}", "externalResourceProvider": True}
+
+
+class Bench:
+    """The `cluster` PassthroughConfig as the benchmark edits it, and the three measurements over it."""
+
+    def __init__(self, api: client.ApiClient, kubevirt: WatchedKubeVirt) -> None:
+        self.api, self.kubevirt = api, kubevirt
+        self.configs = Custom(api, "passthroughconfigs")
+        self.spec: dict = {"kubevirt": {"name": "kubevirt", "namespace": NAMESPACE}}
+
+    async def write_config(self) -> int:
+        """Apply `self.spec` as the admin would; returns the generation to wait for."""
+        body = {"apiVersion": "passthrough.io/v1alpha1", "kind": "PassthroughConfig", "metadata": {"name": "cluster"},
+                "spec": self.spec}  # fmt: skip
+        return (await self.configs.apply(body, "admin"))["metadata"]["generation"]
+
+    async def change(self, check: Callable[[dict], bool]) -> float:
+        """Write the config; wait until the CR and the config's status show it. Returns the latency."""
+        await asyncio.sleep(IDLE)
+        started = time.monotonic()
+        generation = await self.write_config()
+        arrived = await self.kubevirt.shows(check)
+
+        async def observed() -> bool:
+            status = (await self.configs.get("cluster")).get("status") or {}
+            return status.get("observedGeneration") == generation
+
+        await support.wait_for(observed, 60, 0.05, what=f"status of generation {generation}")
+        return arrived - started
+
+    async def counted(self) -> Counter:
+        await support.quiet(self.api, TOUCHED, settle=1.5)
+        return await support.write_counts_by_subresource(self.api)
+
+    async def changes(self, count: int) -> None:
+        before = await self.counted()
+        latencies = []
+        user: list[dict] = []
+        for i in range(count):
+            if i % 2 == 0:
+                gate = f"Bench{i}"
+                self.spec["kubevirt"]["extraFeatureGates"] = [gate]
+                latencies.append(await self.change(lambda kv, gate=gate: gate in feature_gates(kv)))
+            else:
+                user.append(entry(i))
+                self.spec["gpu"] = {"permittedHostDevices": {"pciHostDevices": list(user)}}
+                latencies.append(await self.change(lambda kv, want=user[-1]: want in pci_list(kv)))
+        writes = operator_writes(before, await self.counted(), own={CONFIG_WRITE: count})
+        p50, p99 = support.p50_p99([s * 1000 for s in latencies])
+        print(f"writes per config change: {sum(writes.values()) / count:g} ({describe(writes, count)}; "
+              f"{count} changes, the benchmark's own config writes left out)")
+        print(f"config write to CR:       p50 {p50:.0f} ms, p99 {p99:.0f} ms over {count} changes (watch arrival)")
+
+    async def noops(self, count: int) -> None:
+        objects = client.CustomObjectsApi(self.api)
+
+        async def annotate_config(i: int) -> None:
+            body = {"metadata": {"annotations": {"bench/touched": str(i)}}}
+            await objects.patch_cluster_custom_object("passthrough.io", "v1alpha1", "passthroughconfigs", "cluster", body,
+                                                      _content_type=MERGE)  # fmt: skip
+
+        async def label_kubevirt(i: int) -> None:
+            body = {"metadata": {"labels": {"bench/touched": str(i)}}}
+            await objects.patch_namespaced_custom_object("kubevirt.io", "v1", NAMESPACE, "kubevirts", "kubevirt", body,
+                                                         _content_type=MERGE)  # fmt: skip
+
+        for what, patch, resource in (("config annotation", annotate_config, "passthroughconfigs"),
+                                      ("CR label", label_kubevirt, "kubevirts")):  # fmt: skip
+            before = await self.counted()
+            for i in range(count):
+                await patch(i)
+                await asyncio.sleep(IDLE)
+            writes = operator_writes(before, await self.counted(), own={(resource, "", "PATCH"): count})
+            print(f"writes per no-op event:   {sum(writes.values()) / count:g} per {what} "
+                  f"({describe(writes, count)}; {count} events, the patches themselves left out)")
+
+    async def large(self, entries: int, runs: int) -> None:
+        times, writes = [], Counter()
+        for n in range(runs):
+            big = [entry(i, f"big{n}") for i in range(entries)]
+            self.spec["gpu"] = {"permittedHostDevices": {"pciHostDevices": big}}
+            before = await self.counted()
+            times.append(await self.change(lambda kv, last=big[-1]: last in pci_list(kv)))
+            writes += operator_writes(before, await self.counted(), own={CONFIG_WRITE: 1})
+        shown = self.kubevirt.latest
+        print(f"large config:             {', '.join(f'{t:.2f} s' for t in times)} from writing {entries} user entries "
+              f"to the CR showing all {len(pci_list(shown))}")
+        print(f"                          ({runs} runs, all entries new each run; CR {len(json.dumps(shown)) / 1024:.0f} KiB)")
+        print(f"large config writes:      {sum(writes.values()) / runs:g} per run ({describe(writes, runs)})")
+
+
+def operator_writes(before: Counter, after: Counter, own: dict) -> Counter:
+    """The writes between two counts to the resources we watch, less the benchmark's own (`own`)."""
+    writes = Counter({k: v for k, v in support.diff(before, after).items() if k[0] in TOUCHED})
+    writes.subtract(own)
+    return +writes
+
+
+def describe(writes: Counter, per: int) -> str:
+    names = {"kubevirts": "KubeVirt CR", "passthroughconfigs": "config"}
+    parts = [f"{names.get(resource, resource)}{'/' + sub if sub else ''} {verb} {n / per:g}"
+             for (resource, sub, verb), n in sorted(writes.items())]  # fmt: skip
+    return ", ".join(parts) or "none"
+
+
+async def bench(local: cluster.LocalCluster, log: Path, args: argparse.Namespace) -> None:
+    operator = OperatorProcess(local, log)
+    api = await connect(str(local.kubeconfig))
+    kubevirt = WatchedKubeVirt(api)
+    watching = None
+    try:
+        core = client.CoreV1Api(api)
+        await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
+        await support.create_kubevirt(api, NAMESPACE)
+        operator.start()
+        watching = asyncio.create_task(kubevirt.mirror.run())
+        run = Bench(api, kubevirt)
+        await run.change(lambda kv: "HostDevices" in feature_gates(kv) and bool(pci_list(kv)))
+        print(f"KubeVirt CR:              {len(pci_list(kubevirt.latest))} pciHostDevices from the default table at the start")
+        await run.changes(args.changes)
+        await run.noops(args.noops)
+        await run.large(args.entries, args.big_runs)
+        print(f"operator RSS:             {psutil.Process(operator.proc.pid).memory_info().rss / 2**20:.0f} MiB at the end")
+    finally:
+        operator.stop()
+        if watching:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+        await api.close()
+    problems = [line for line in operator.output().splitlines() if " WARNING " in line or " ERROR " in line or "Traceback" in line]
+    print(f"operator log:             {len(problems)} warnings or errors" + "".join(f"\n    {p}" for p in problems[:10]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--changes", type=int, default=50, help="config changes to time and count")
+    parser.add_argument("--noops", type=int, default=10, help="no-op events of each kind")
+    parser.add_argument("--entries", type=int, default=2000, help="user pciHostDevices entries in the large config")
+    parser.add_argument("--big-runs", type=int, default=3, help="writes of the large config")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-kubevirt-") as tmp:
+        local = cluster.start(Path(tmp) / "controlplane")
+        try:
+            asyncio.run(bench(local, Path(tmp) / "operator.log", args))
+        finally:
+            local.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
