@@ -35,9 +35,10 @@ unit: venv
 integration: controlplane
 	$(PY) -m pytest -q tests/integration
 
-## Regenerate crds/ from the API models.
+## Regenerate crds/ and the chart's CRDs from the API models.
 crds: venv
 	$(VENV)/bin/passthrough crds --out crds
+	$(VENV)/bin/passthrough crds --out charts/passthrough-operator/crds
 
 cluster-up: controlplane
 	$(PY) -m e2e.cluster up
@@ -45,9 +46,9 @@ cluster-up: controlplane
 cluster-down: venv
 	$(PY) -m e2e.cluster down
 
-## Every benchmark script; each prints its figures.
+## Every benchmark script, the control plane's first; each prints its figures.
 bench: controlplane
-	@set -e; for script in e2e/bench/bench_*.py; do \
+	@set -e; for script in e2e/bench/bench_controlplane.py $$(ls e2e/bench/bench_*.py | grep -v bench_controlplane); do \
 		echo "== $$script"; $(PY) $$script; done
 
 clean: cluster-down

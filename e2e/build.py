@@ -1,10 +1,11 @@
-"""Build the local control plane (etcd, kube-apiserver, kube-controller-manager, kubectl).
+"""Build the local control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), and helm.
 
 None of them has a current Debian or PyPI package, so they are built from source through
 the Go module proxy, from the wrapper modules under `e2e/controlplane/` that pin the
-releases. The binaries are cached outside the work tree, keyed by everything that goes
-into them; a cache entry is complete only once its manifest is written, so an interrupted
-or stale build is detected and done again.
+releases (helm is built beside the control plane: the chart's tests render the chart with
+it). The binaries are cached outside the work tree, keyed by everything that goes into
+them; a cache entry is complete only once its manifest is written, so an interrupted or
+stale build is detected and done again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODULES = HERE / "controlplane"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
 
 
 class BuildError(RuntimeError):
@@ -59,11 +60,19 @@ def etcd_version() -> str:
     return _required_version(MODULES / "etcd", "go.etcd.io/etcd/server/v3")
 
 
+def helm_version() -> str:
+    return _required_version(MODULES / "helm", "helm.sh/helm/v3")
+
+
 def targets() -> list[Target]:
     k8s = kubernetes_version()
     major, minor = k8s.lstrip("v").split(".")[:2]
     version_pkg = "k8s.io/component-base/version"
     etcd = etcd_version()
+    helm = helm_version()
+    # Helm's Makefile stamps the Kubernetes release of its client-go (v0.X -> 1.X) as the
+    # default cluster version of `helm template`; unstamped it would claim v1.20.
+    client_minor = _required_version(MODULES / "helm", "k8s.io/client-go").lstrip("v").split(".")[1]
     return [
         Target(
             name="kubernetes",
@@ -83,6 +92,15 @@ def targets() -> list[Target]:
             name="etcd",
             packages={"etcd": "go.etcd.io/etcd/server/v3"},
             ldflags=f"-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA={etcd}",
+        ),
+        Target(
+            name="helm",
+            packages={"helm": "helm.sh/helm/v3/cmd/helm"},
+            ldflags=(
+                f"-s -w -X helm.sh/helm/v3/internal/version.version={helm}"
+                f" -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor={client_minor}"
+                f" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={client_minor}"
+            ),
         ),
     ]
 
@@ -119,7 +137,8 @@ def cache_key() -> str:
 
 
 def cache_dir() -> Path:
-    return cache_root() / "controlplane" / f"k8s-{kubernetes_version()}-etcd-{etcd_version()}-{cache_key()}"
+    name = f"k8s-{kubernetes_version()}-etcd-{etcd_version()}-helm-{helm_version()}-{cache_key()}"
+    return cache_root() / "controlplane" / name
 
 
 def _manifest(bin_dir: Path) -> dict[str, dict[str, int]]:
@@ -237,7 +256,7 @@ def build(directory: Path) -> Path:
 
 
 def ensure_binaries() -> Path:
-    """The directory holding the four binaries, building them first when the cache lacks them."""
+    """The directory holding the binaries, building them first when the cache lacks them."""
     directory = cache_dir()
     if found := cached_binaries(directory):
         return found

@@ -107,7 +107,13 @@ class Custom:
         else:
             call = self.objects.patch_cluster_custom_object_status if status else self.objects.patch_cluster_custom_object
             response = await call(self.group, self.version, self.plural, name, body, **kwargs)
-        return json.loads(await response.read())
+        data = await response.read()
+        if not 200 <= response.status < 300:
+            # Without preloading, the client hands back errors as if they were the object.
+            exc = ApiException(status=response.status, reason=response.reason)
+            exc.body = data.decode(errors="replace")
+            raise exc
+        return json.loads(data)
 
     async def delete(self, name: str, namespace: str | None = None, uid: str | None = None) -> bool:
         """Delete; False when already gone. `uid` guards against deleting a newer object of that name."""

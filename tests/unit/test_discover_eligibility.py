@@ -201,3 +201,13 @@ def test_devices_are_sorted_by_address(tmp_path):
 
 def _roots(host: FakeHost) -> tuple[Path, Path]:
     return host.sysfs, host.proc
+
+
+def test_a_disk_mounted_only_on_the_host_counts_from_inside_a_container(tmp_path):
+    """The agent reads the host's /proc at /host/proc: its `mounts` is the container's own
+    namespace there, so the host's table is PID 1's."""
+    host = storage_node(tmp_path)
+    (host.proc / "1").mkdir()
+    (host.proc / "1" / "mounts").write_text("/dev/nvme0n1p1 /var/lib/host-data ext4 rw,relatime 0 0\n")
+    nvme = scan(host)["0000:3d:00.0"]
+    assert not nvme.eligible and "nvme0n1p1 is mounted on /var/lib/host-data" in nvme.reason

@@ -130,3 +130,13 @@ def test_a_node_with_an_older_pci_ids_is_reported_card_by_card():
 @pytest.mark.parametrize(("device", "name"), [("2321", "nvidia.com/GH100"), ("2335", "nvidia.com/2335")])
 def test_the_older_names_used_above_are_the_2023_editions(device, name):
     assert gpu_resource_name("10de", device, PciIds.load(DATA / "pci.ids.2023-04-10")) == name
+
+
+def test_an_exclusive_entry_is_not_the_pool_name_an_older_node_should_use():
+    # With the table replaced, an assigned A10 is the only 10DE:2236 entry; a pooled A10 on a
+    # node is simply not permitted, and no "expected" name is invented for it.
+    from passthrough.kubevirt.render import Advertised, mismatches
+
+    entries = [{"pciVendorSelector": "10DE:2236", "resourceName": "passthrough.io/pci-abc", "externalResourceProvider": True}]
+    _, not_permitted = mismatches(entries, [Advertised("n1", "0000:3b:00.0", "10de", "2236", "nvidia.com/GA102GL_A10")])
+    assert [(m.resource_name, m.expected) for m in not_permitted] == [("nvidia.com/GA102GL_A10", "")]

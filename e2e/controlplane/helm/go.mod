@@ -1,3 +1,5 @@
+// Wrapper module: helm, which the chart's tests render the chart with, pinned at a
+// release through its `tool` line (helm's own go.mod has no replace directives).
 module passthrough.io/e2e/controlplane/helm
 
 go 1.26.0

@@ -243,11 +243,12 @@ def _metadata_differs(live: Device, wanted: dict[str, Any]) -> bool:
     return (FINALIZER in live.metadata.get("finalizers", [])) != bool(wanted["finalizers"])
 
 
-def device_body(name: str, namespace: str, metadata: dict[str, Any]) -> dict[str, Any]:
+def device_body(name: str, namespace: str, metadata: dict[str, Any], uid: str = "") -> dict[str, Any]:
+    """An apply body; with `uid`, one that fails rather than re-create an object deleted meanwhile."""
     return {
         "apiVersion": API_VERSION,
         "kind": PCI_DEVICE.kind,
-        "metadata": {"name": name, "namespace": namespace, **metadata},
+        "metadata": {"name": name, "namespace": namespace, **({"uid": uid} if uid else {}), **metadata},
     }
 
 
@@ -265,7 +266,7 @@ def decide(world: World) -> Plan:
         for device in world.devices:
             if device.deleting and not referenced[device.namespace] and FINALIZER in device.metadata["finalizers"]:
                 wanted = {**device.metadata, "finalizers": []}
-                plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted)))
+                plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
         return plan
 
     missing = npci.ready is not None and npci.ready.reason == "NotFound"
@@ -286,7 +287,7 @@ def decide(world: World) -> Plan:
             continue  # the namespace controller removes it with everything else there
         if referenced[device.namespace] and FINALIZER not in device.metadata["finalizers"]:
             wanted = {**device.metadata, "finalizers": [FINALIZER]}
-            plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted)))
+            plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
         plan.writes.append(DeleteDevice(device.namespace, device.uid))
     leaving = [d for d in world.devices if d is not current or d.deleting]
     # Of those, the ones that outlive this plan: a VM holds them (or their namespace is going).
@@ -298,7 +299,7 @@ def decide(world: World) -> Plan:
         vms = world.referencing_vms.get(target, ())
         wanted = device_metadata(npci, target, finalizer=bool(vms))
         if current is None or _metadata_differs(current, wanted):
-            plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted)))
+            plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
         status = _device_status(npci, current, vms, world.now)
         if current is None or _status_differs(current.status, status):
             plan.writes.append(
@@ -312,7 +313,7 @@ def decide(world: World) -> Plan:
             want = bool(referenced[device.namespace])
             if want != (FINALIZER in device.metadata["finalizers"]):
                 wanted = {**device.metadata, "finalizers": [FINALIZER] if want else []}
-                plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted)))
+                plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
 
     # The NodePCIDevice: deleted when it is unassigned and gone from its node.
     if missing and not npci.assigned_namespace and not npci.deleting and not lingering and current is None:
@@ -329,7 +330,7 @@ def decide(world: World) -> Plan:
                 {
                     "apiVersion": API_VERSION,
                     "kind": NODE_PCI_DEVICE.kind,
-                    "metadata": {"name": npci.name, "finalizers": [FINALIZER] if want_finalizer else []},
+                    "metadata": {"name": npci.name, "uid": npci.uid, "finalizers": [FINALIZER] if want_finalizer else []},
                 }
             )
         )

@@ -163,7 +163,13 @@ class Reconciler:
         """One write; returns what the indexes must show before the name is decided again."""
         if isinstance(write, lifecycle.ApplyDevice | lifecycle.ApplyDeviceStatus):
             status = isinstance(write, lifecycle.ApplyDeviceStatus)
-            obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=status)
+            try:
+                obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=status)
+            except ApiException as exc:
+                # Deleted (404), or deleted and made anew (409, the uid differs): decide again.
+                if exc.status in (404, 409) and (status or write.body["metadata"].get("uid")):
+                    return ("device-gone", write.namespace, "") if exc.status == 404 else None
+                raise
             return _expect("device", write.namespace, obj)
         if isinstance(write, lifecycle.DeleteDevice):
             await self.devices.delete(name, write.namespace, uid=write.uid)
@@ -174,8 +180,8 @@ class Reconciler:
             try:
                 obj = await self.node_devices.apply(write.body, OPERATOR_MANAGER, status=status)
             except ApiException as exc:
-                if exc.status == 404:  # deleted meanwhile: nothing left to say about it
-                    return None
+                if exc.status in (404, 409):  # deleted (and maybe made anew) meanwhile: decide again
+                    return ("node-device-gone", "", "") if exc.status == 404 else None
                 raise
             return _expect("node-device", "", obj)
         if isinstance(write, lifecycle.DeleteNodeDevice):

@@ -604,7 +604,9 @@ def mismatches(
     permitted = {d["resourceName"] for d in pci_host_devices}
     by_selector: dict[str, str] = {}
     for d in pci_host_devices:
-        by_selector.setdefault(d["pciVendorSelector"].upper(), d["resourceName"])
+        # An exclusive entry shares its model's selector, but it is no name for the pool.
+        if not d["resourceName"].startswith(f"{EXCLUSIVE_DOMAIN}/"):
+            by_selector.setdefault(d["pciVendorSelector"].upper(), d["resourceName"])
     names = {a.resource_name for a in advertised}
 
     not_advertised = {

@@ -89,10 +89,21 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
+def mounts_file(proc_root: Path) -> Path:
+    """The host's mount table.
+
+    `<proc>/mounts` is `self/mounts`: in a container (the agent's DaemonSet mounts the host's
+    /proc at /host/proc) that is the container's own mount namespace, which misses a disk
+    mounted only on the host. PID 1's table is the host's; fall back where it is not there.
+    """
+    init = proc_root / "1" / "mounts"
+    return init if os.access(init, os.R_OK) else proc_root / "mounts"
+
+
 def read_mounts(proc_root: Path) -> dict[str, list[str]]:
     """Mount points by the basename of the mounted device (`nvme0n1p1` -> [`/data`])."""
     mounts: dict[str, list[str]] = {}
-    for line in read_text(proc_root / "mounts").splitlines():
+    for line in read_text(mounts_file(proc_root)).splitlines():
         fields = line.split()
         if len(fields) >= 2 and fields[0].startswith("/"):
             mounts.setdefault(os.path.basename(_unescape(fields[0])), []).append(_unescape(fields[1]))

@@ -1,0 +1,446 @@
+"""The Helm chart, rendered by the real helm and checked against the real API server.
+
+The chart's service accounts and cluster roles are created for real, and the real agent and
+operator run with those accounts' tokens: the RBAC is enough when the code does its work
+with no Forbidden answer, and no more than that where `kubectl auth can-i` says no.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes_asyncio import client
+
+from e2e import build, fakesysfs, support
+from e2e.processes import OperatorProcess
+from passthrough.api import crds
+from passthrough.api.models import PassthroughConfigSpec
+from passthrough.controller.lifecycle import FINALIZER
+from passthrough.k8s import NODE_LABEL, VFIO_LABEL, Custom
+from passthrough.kubevirt.render import parse_values
+from passthrough.pci.naming import exclusive_resource_name
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts/passthrough-operator"
+PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
+GPUS = ("0000:3b:00.0", "0000:af:00.0")
+
+# Platform values as an admin writes them: every key of the PassthroughConfig spec.
+PLATFORM = {
+    "kubevirt": {"name": "kubevirt", "namespace": "cozy-kubevirt", "extraFeatureGates": ["Snapshot", "VMExport"]},
+    "gpu": {
+        "variant": "default",
+        "replaceDefaults": True,
+        "permittedHostDevices": {
+            "pciHostDevices": [
+                {"pciVendorSelector": "10de:2bb5", "resourceName": "nvidia.com/GB202GL_RTX_PRO_6000_BLACKWELL_SERVER_EDITION",
+                 "externalResourceProvider": True},
+            ],
+            "mediatedDevices": [],
+        },
+    },
+    "devices": {"notFoundGracePeriodSeconds": 120},
+}
+# What a denied request leaves in a log: the API's answer, or Kopf's warning about it. (A bare
+# "403" would also match the milliseconds of a timestamp, ",403".)
+DENIED = re.compile(r"forbidden|not enough permissions|[(\s:]403\b", re.IGNORECASE)
+
+
+# -- helm --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory):
+    """Runs the helm that e2e/build.py builds beside the control plane, with a throwaway home."""
+    binary = build.ensure_binaries() / "helm"
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {**os.environ, **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
+
+    def run(*args: str) -> str:
+        result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=60)
+        assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stderr}"
+        return result.stdout
+
+    return run
+
+
+def template(helm, release: str, namespace: str, *flags: str) -> list[dict]:
+    out = helm("template", release, str(CHART), f"--namespace={namespace}", *flags)
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def one(objects: list[dict], kind: str) -> dict:
+    [found] = [o for o in objects if o["kind"] == kind]
+    return found
+
+
+def container(objects: list[dict], kind: str) -> dict:
+    [found] = one(objects, kind)["spec"]["template"]["spec"]["containers"]
+    return found
+
+
+def values_file(path: Path, values: dict) -> str:
+    path.write_text(yaml.safe_dump(values))
+    return f"--values={path}"
+
+
+# -- what helm renders -------------------------------------------------------------------------
+
+
+def test_default_values_render_the_models_defaults_and_one_recreated_operator(helm):
+    helm("lint", "--strict", str(CHART))
+    objects = template(helm, "passthrough", "passthrough-system")
+    assert sorted(o["kind"] for o in objects) == sorted(
+        ["ServiceAccount", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
+         "Deployment", "DaemonSet", "PassthroughConfig"]
+    )
+    config = one(objects, "PassthroughConfig")
+    assert config["metadata"]["name"] == "cluster"
+    # values.yaml documents the models' own defaults, so an install without values changes nothing.
+    assert config["spec"] == PassthroughConfigSpec().model_dump(by_alias=True)
+
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    operator = container(objects, "Deployment")
+    assert operator["command"][:3] == ["passthrough", "operator", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert operator["ports"] == [{"name": "healthz", "containerPort": 8080, "protocol": "TCP"}]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and operator["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["serviceAccountName"] == "passthrough-operator"
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert operator["image"] == f"passthrough-operator:{version}"
+
+    daemonset = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    assert daemonset["hostNetwork"] is True and daemonset["serviceAccountName"] == "passthrough-agent"
+    assert daemonset["tolerations"] == [{"operator": "Exists"}]
+    agent = container(objects, "DaemonSet")
+    assert agent["command"][:3] == ["passthrough", "agent", "--proc-root=/host/proc"]
+    assert agent["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    assert agent["securityContext"]["privileged"] is True
+    mounts = {m["mountPath"]: (m["name"], m.get("readOnly", False)) for m in agent["volumeMounts"]}
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in daemonset["volumes"]}
+    assert {path: (host_paths[name], ro) for path, (name, ro) in mounts.items()} == {
+        "/sys": ("/sys", False),
+        "/host/proc": ("/proc", True),
+        "/usr/share": ("/usr/share", True),
+    }
+
+
+def test_the_chart_ships_the_crds_the_models_generate(helm):
+    rendered = template(helm, "passthrough", "passthrough-system", "--include-crds")
+    shipped = {o["metadata"]["name"]: o for o in rendered if o["kind"] == "CustomResourceDefinition"}
+    assert shipped == {c["metadata"]["name"]: c for c in crds.all_crds()}
+
+
+def test_a_values_file_is_the_platform_values(helm, tmp_path):
+    values = {**PLATFORM, "agent": {"nodeSelector": {"passthrough.io/gpu": "true"}}, "operator": {"workers": 4}}
+    objects = template(helm, "passthrough", "passthrough-system", values_file(tmp_path / "values.yaml", values))
+    spec = one(objects, "PassthroughConfig")["spec"]
+    assert spec == PLATFORM
+    parse_values(spec)  # what the operator will read: valid platform values
+    # Helm merges maps: the values file's label joins the default one.
+    selector = one(objects, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"]
+    assert selector == {"kubernetes.io/os": "linux", "passthrough.io/gpu": "true"}
+    assert "--workers=4" in container(objects, "Deployment")["command"]
+    assert one(objects, "Deployment")["spec"]["replicas"] == 1  # not a value: Kopf runs one
+
+
+def test_config_create_false_leaves_the_passthrough_config_to_someone_else(helm):
+    objects = template(helm, "passthrough", "passthrough-system", "--set=config.create=false")
+    assert "PassthroughConfig" not in {o["kind"] for o in objects}
+
+
+# -- against the API server --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def release(cluster, helm, tmp_path_factory):
+    """The chart's accounts and cluster roles, created for real in a namespace of their own.
+
+    Yields the rendered objects and a kubeconfig per component that logs in with a token of
+    that component's service account.
+    """
+    suffix = os.urandom(3).hex()
+    namespace, name = f"chart-{suffix}", f"passthrough-{suffix}"
+    cluster.kubectl("create", "namespace", namespace)
+    objects = template(helm, name, namespace)
+    accounts = [o for o in objects if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(accounts))
+        folder = tmp_path_factory.mktemp("kubeconfigs")
+        kubeconfigs = {}
+        for component in ("agent", "operator"):
+            token = cluster.kubectl("create", "token", f"{name}-{component}", "-n", namespace, "--duration=1h").stdout.strip()
+            kubeconfigs[component] = kubeconfig_with_token(cluster, token, folder / f"{component}.kubeconfig")
+        yield {"namespace": namespace, "name": name, "objects": objects, "kubeconfig": kubeconfigs}
+    finally:
+        for obj in accounts:
+            if obj["kind"] != "ServiceAccount":  # cluster-scoped: the namespace does not take them along
+                cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def kubeconfig_with_token(cluster, token: str, path: Path) -> Path:
+    """The cluster's kubeconfig, logging in as the service account the token belongs to."""
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    config["users"] = [{"name": "service-account", "user": {"token": token}}]
+    config["contexts"][0]["context"]["user"] = "service-account"
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+def test_the_api_server_accepts_every_rendered_object(cluster, helm, release, tmp_path):
+    # Another release name, so that each object is a create and validated whole (but for the
+    # one `cluster` PassthroughConfig, which may exist: hence --force-conflicts).
+    flags = [values_file(tmp_path / "values.yaml", PLATFORM), "--set=imagePullSecrets[0].name=registry",
+             "--set=operator.extraArgs[0]=--verbose", "--set=agent.hotplug=false"]
+    objects = template(helm, f"dry-{release['name']}", release["namespace"], *flags)
+    out = cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(objects)
+    ).stdout
+    assert out.count("serverside-applied (server dry run)") == len(objects), out
+
+
+def can_i(cluster, release, component: str, verb: str, resource: str, *flags: str) -> bool:
+    account = f"system:serviceaccount:{release['namespace']}:{release['name']}-{component}"
+    result = cluster.kubectl("auth", "can-i", verb, resource, f"--as={account}", *flags, check=False)
+    return result.stdout.strip() == "yes"
+
+
+def test_the_service_accounts_may_do_nothing_more(cluster, release):
+    agent = [
+        ("delete", "nodepcidevices.passthrough.io"),
+        ("update", "nodepcidevices.passthrough.io"),
+        *[(verb, "pcidevices.passthrough.io") for verb in ("get", "list", "watch", "create", "patch", "delete")],
+        ("patch", "passthroughconfigs.passthrough.io"),
+        ("delete", "nodes"),
+        ("create", "events"),
+        ("list", "secrets"),
+    ]
+    operator = [
+        *[(verb, "nodes") for verb in ("get", "patch", "delete")],
+        # Only the agent creates NodePCIDevices; an apply of ours racing a deletion must not recreate one.
+        ("create", "nodepcidevices.passthrough.io"),
+        ("patch", "passthroughconfigs.passthrough.io"),  # the values are the admin's; we write status
+        ("create", "kubevirts.kubevirt.io"),
+        ("delete", "kubevirts.kubevirt.io"),
+        ("patch", "virtualmachines.kubevirt.io"),
+        ("list", "secrets"),
+    ]
+    allowed = [("agent", v, r) for v, r in agent if can_i(cluster, release, "agent", v, r, "-A")]
+    allowed += [("operator", v, r) for v, r in operator if can_i(cluster, release, "operator", v, r, "-A")]
+    assert allowed == []
+    # OwnerReferencesPermissionEnforcement (not enabled in the test control plane, on in many
+    # clusters) asks this of whoever sets blockOwnerDeletion on a PCIDevice.
+    assert can_i(cluster, release, "operator", "update", "nodepcidevices.passthrough.io", "--subresource=finalizers")
+
+
+# -- the real agent and operator with only the chart's RBAC ------------------------------------
+
+
+def command_line(objects: list[dict], kind: str, *overrides: str) -> list[str]:
+    """The rendered container command, run with this venv's python; later flags override earlier ones."""
+    command = container(objects, kind)["command"]
+    assert command[0] == "passthrough"
+    return [sys.executable, "-m", "passthrough", *command[1:], *overrides]
+
+
+def denied_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if DENIED.search(line)]
+
+
+async def denied_requests(api) -> Counter:
+    """Requests the API server has answered 403 so far, by (resource[/subresource], verb).
+
+    Counted by the API server itself: a denied write the code does not log is counted too.
+    """
+    response = await api.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False,
+                                  _return_http_data_only=True)  # fmt: skip
+    counts: Counter = Counter()
+    for line in (await response.read()).decode().splitlines():
+        if line.startswith("apiserver_request_total{") and 'code="403"' in line:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            resource = "/".join(filter(None, (labels.get("resource"), labels.get("subresource"))))
+            counts[(resource, labels.get("verb"))] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+def since(before: Counter, after: Counter) -> dict:
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+@pytest.fixture(scope="module")
+async def node(api, release):
+    node = await support.ensure_node(api, f"{release['name']}-node")
+    yield node
+    with contextlib.suppress(client.exceptions.ApiException):
+        await client.CoreV1Api(api).delete_node(node.name)
+
+
+@pytest.fixture(scope="module")
+async def agent(api, release, node, tmp_path_factory):
+    """The agent of the rendered DaemonSet, as the agent service account, over a fixture GPU node."""
+    root = tmp_path_factory.mktemp("agent")
+    host = fakesysfs.gpu_node(root / "host")
+    env = dict(os.environ)
+    for var in container(release["objects"], "DaemonSet")["env"]:
+        assert var["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        env[var["name"]] = node.name
+    log_path = root / "agent.log"
+    args = command_line(
+        release["objects"], "DaemonSet",
+        f"--kubeconfig={release['kubeconfig']['agent']}", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}",
+        f"--pci-ids={PCI_IDS}", "--no-hotplug",
+    )  # fmt: skip
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
+    kind = Custom(api, "nodepcidevices")
+    denied_before = await denied_requests(api)
+
+    async def reported():
+        items = (await kind.list(f"{NODE_LABEL}={node.name}"))["items"]
+        return {o["status"]["attributes"]["pciAddress"]: o for o in items if o.get("status")} if len(items) == 4 else None
+
+    try:
+        await support.wait_for(reported, 30, what=f"the agent's first report; log:\n{_tail(log_path)}")
+        yield {"host": host, "proc": proc, "log": log_path, "reported": reported, "denied_before": denied_before}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(path: Path) -> str:
+    return path.read_text()[-3000:] if path.exists() else ""
+
+
+async def test_the_agent_reports_its_node_with_only_its_service_account(api, agent, node):
+    devices = await agent["reported"]()
+    assert sorted(a for a in devices if a in GPUS) == sorted(GPUS)
+    assert (await client.CoreV1Api(api).read_node(node.name)).metadata.labels[VFIO_LABEL] == "true"
+    log = agent["log"].read_text()
+    assert denied_lines(log) == [] and "Traceback" not in log, log[-3000:]
+    assert since(agent["denied_before"], await denied_requests(api)) == {}
+
+
+async def test_the_operator_does_its_work_with_only_its_service_account(api, cluster, helm, release, agent, node, tmp_path):
+    suffix = release["name"].rsplit("-", 1)[1]
+    team, kubevirt_ns = f"team-{suffix}", f"kv-{suffix}"
+    for ns in (team, kubevirt_ns):
+        cluster.kubectl("create", "namespace", ns)
+    devices = await agent["reported"]()
+    name = devices[GPUS[0]]["metadata"]["name"]
+    npci, pcidev = Custom(api, "nodepcidevices"), Custom(api, "pcidevices", namespaced=True)
+    configs = Custom(api, "passthroughconfigs")
+    kubevirts = Custom(api, "kubevirts", namespaced=True, group="kubevirt.io", version="v1")
+    values = {**PLATFORM, "kubevirt": {**PLATFORM["kubevirt"], "namespace": kubevirt_ns}}
+    config = one(template(helm, release["name"], release["namespace"], values_file(tmp_path / "values.yaml", values)),
+                 "PassthroughConfig")  # fmt: skip
+    args = [a for a in command_line(release["objects"], "Deployment")[4:] if not a.startswith("--liveness=")]
+    operator = OperatorProcess(cluster, tmp_path / "operator.log", *args, f"--kubeconfig={release['kubeconfig']['operator']}")
+    denied_before = await denied_requests(api)
+    operator.start()
+    try:
+        # Assignment, exactly as NOTES.txt tells the admin: the PCIDevice appears in the namespace.
+        cluster.kubectl("patch", "npci", name, "--type=merge", "-p", json.dumps({"spec": {"assignedNamespace": team}}))
+        await support.wait_for(lambda: _status(pcidev, name, team), 20, what=f"PCIDevice {team}/{name}")
+        await support.wait_for(lambda: _condition(npci, name, "Assigned", "True"), 20, what="the NodePCIDevice Assigned")
+        # Events are posted in the background and a failure is only logged at debug level: look.
+        await support.wait_for(lambda: _event(api, team, name, "Assigned"), 10, what="the operator's Assigned Event")
+
+        # The chart's PassthroughConfig, applied as the admin: the KubeVirt CR gets the values.
+        await support.create_kubevirt(api, kubevirt_ns)
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(config))
+
+        # replaceDefaults: the values' one entry, and the exclusive resource of the assigned device.
+        wanted = ["nvidia.com/GB202GL_RTX_PRO_6000_BLACKWELL_SERVER_EDITION", exclusive_resource_name(name)]
+
+        async def configured():
+            kv = await kubevirts.get("kubevirt", kubevirt_ns)
+            permitted = (kv["spec"]["configuration"].get("permittedHostDevices") or {}).get("pciHostDevices") or []
+            return sorted(e["resourceName"] for e in permitted) == sorted(wanted)
+
+        await support.wait_for(configured, 20, what=f"permittedHostDevices {wanted}")
+        await support.wait_for(lambda: _condition(configs, "cluster", "Applied", "True"), 20, what="config status Applied")
+
+        # A VM that uses the device: finalizers on both objects; dropping the VM drops them.
+        vms = client.CustomObjectsApi(api)
+        await vms.create_namespaced_custom_object("kubevirt.io", "v1", team, "virtualmachines", _vm(team, name))
+        await support.wait_for(lambda: _has_finalizer(npci, name), 20, what="the NodePCIDevice's finalizer")
+        await support.wait_for(lambda: _condition(npci, name, "Attached", "True"), 20, what="the NodePCIDevice Attached")
+        await vms.delete_namespaced_custom_object("kubevirt.io", "v1", team, "virtualmachines", "uses-gpu")
+        await support.wait_for(lambda: _has_finalizer(npci, name, False), 20, what="the finalizer dropped")
+
+        # Unassigned: the PCIDevice is deleted. Gone from the node and unassigned: so is the NodePCIDevice.
+        cluster.kubectl("patch", "npci", name, "--type=merge", "-p", json.dumps({"spec": {"assignedNamespace": ""}}))
+        await support.wait_for(lambda: _absent(pcidev, name, team), 20, what="the PCIDevice deleted")
+        agent["host"].remove_device(GPUS[1])
+        agent["proc"].send_signal(signal.SIGHUP)
+        gone = devices[GPUS[1]]["metadata"]["name"]
+        await support.wait_for(lambda: _absent(npci, gone), 20, what="the vanished device's NodePCIDevice deleted")
+        denied = since(denied_before, await denied_requests(api))
+    finally:
+        operator.stop()
+        with contextlib.suppress(client.exceptions.ApiException):
+            await configs.delete("cluster")  # other modules' operators must not find our values
+        for ns in (team, kubevirt_ns):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    log = operator.output()
+    assert denied_lines(log) == [] and "Traceback" not in log, log[-5000:]
+    assert denied == {}, "the API server refused these requests (its own counters)"
+
+
+async def _status(kind: Custom, name: str, namespace: str | None = None):
+    obj = await kind.get(name, namespace)
+    return obj if obj and obj.get("status") else None
+
+
+async def _condition(kind: Custom, name: str, type_: str, status: str) -> bool:
+    obj = await kind.get(name) or {}
+    return any(c["type"] == type_ and c["status"] == status for c in (obj.get("status") or {}).get("conditions") or [])
+
+
+async def _event(api, namespace: str, name: str, reason: str) -> bool:
+    events = await client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}")
+    return any(e.reason == reason and e.source.component == "passthrough-operator" for e in events.items)
+
+
+async def _has_finalizer(kind: Custom, name: str, present: bool = True) -> bool:
+    obj = await kind.get(name) or {"metadata": {}}
+    return (FINALIZER in (obj["metadata"].get("finalizers") or [])) == present
+
+
+async def _absent(kind: Custom, name: str, namespace: str | None = None) -> bool:
+    return await kind.get(name, namespace) is None
+
+
+def _vm(namespace: str, device: str) -> dict:
+    return {
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": "uses-gpu", "namespace": namespace},
+        "spec": {
+            "runStrategy": "Always",
+            "template": {"spec": {"domain": {
+                "devices": {"hostDevices": [{"name": "gpu", "deviceName": exclusive_resource_name(device)}]},
+                "resources": {"requests": {"memory": "1Gi"}},
+            }}},
+        },
+    }  # fmt: skip
