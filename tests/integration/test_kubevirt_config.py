@@ -27,13 +27,9 @@ def kinds(api):
 
 
 @pytest.fixture
-async def kubevirt_ns(api, unique):
-    """A namespace for this test's KubeVirt CR (each test names its own target)."""
-    core = client.CoreV1Api(api)
-    name = f"kv-{unique}"
-    await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    yield name
-    await core.delete_namespace(name)
+def kubevirt_ns(namespace):
+    """The namespace of this test's KubeVirt CR (each test names its own target)."""
+    return namespace
 
 
 @pytest.fixture
