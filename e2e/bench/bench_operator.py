@@ -141,9 +141,15 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
     operator = OperatorProcess(cluster, workdir / "operator.log", *args.operator_args)
     started = time.monotonic()
     operator.start()
+
+    async def all_conditioned() -> bool:
+        items = (await npci.list())["items"]
+        return all(any(c["type"] == "Assigned" for c in (d.get("status") or {}).get("conditions", [])) for d in items)
+
+    await support.wait_for(all_conditioned, 600, interval=0.5, what="initial conditions on every device")
     await support.quiet(api, OURS + ("events",), settle=3, timeout=600)
     after = await support.write_counts(api)
-    print(f"operator start-up: initial conditions of {args.devices} devices in {time.monotonic() - started - 3:.1f}s, "
+    print(f"operator start-up: initial conditions of {args.devices} devices written within {time.monotonic() - started - 3:.1f}s, "
           f"{support.writes_between(before, after, *OURS)} writes")
 
     seen = Seen(api)
