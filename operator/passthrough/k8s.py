@@ -233,6 +233,7 @@ class EventRecorder:
         self.core = client.CoreV1Api(api)
         self.component = component
         self._tasks: set[asyncio.Task] = set()
+        self._failures: set[str] = set()
 
     def post(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
         task = asyncio.create_task(self._post(involved, type_, reason, message))
@@ -257,7 +258,12 @@ class EventRecorder:
         try:
             await self.core.create_namespaced_event(namespace, event)
         except Exception as exc:  # Events are best effort: losing one must not stop a reconcile
-            log.debug("posting event %s for %s failed: %s", reason, involved.get("name"), exc)
+            # ...but a lasting cause (RBAC, a missing namespace) is worth one warning.
+            cause = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else type(exc).__name__
+            if cause not in self._failures:
+                self._failures.add(cause)
+                log.warning("posting Events fails (%s), e.g. %s for %s; further failures of this kind are not logged",
+                            cause, reason, involved.get("name"))
 
     async def drain(self) -> None:
         if self._tasks:
