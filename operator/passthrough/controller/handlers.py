@@ -88,41 +88,42 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 # -- indexes: small values, no bodies ------------------------------------------------------------
+# All async: Kopf runs a plain function in a thread pool, one hop per object and event.
 
 
 @kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id=rec.NODE_DEVICES)
-def node_devices_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeDevice]:
+async def node_devices_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeDevice]:
     return {name: NodeDevice.of(body)}
 
 
 @kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id="devices_by_namespace")
-def devices_by_namespace_index(name: str, spec: kopf.Spec, **_: Any) -> dict[str, str] | None:
+async def devices_by_namespace_index(name: str, spec: kopf.Spec, **_: Any) -> dict[str, str] | None:
     namespace = spec.get("assignedNamespace")
     return {namespace: name} if namespace else None
 
 
 @kopf.index(GROUP, VERSION, PCI_DEVICE.plural, id=rec.DEVICES)
-def devices_index(name: str, body: kopf.Body, **_: Any) -> dict[str, Device]:
+async def devices_index(name: str, body: kopf.Body, **_: Any) -> dict[str, Device]:
     return {name: Device.of(body)}
 
 
 @kopf.index("kubevirt.io", "v1", "virtualmachines", id=rec.VM_REFERENCES)
-def vm_references_index(name: str, namespace: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], str]:
+async def vm_references_index(name: str, namespace: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], str]:
     return {(namespace, EXCLUSIVE_PREFIX + device): name for device in referenced_device_names(dict(spec))}
 
 
 @kopf.index("", "v1", "namespaces", id=rec.NAMESPACES)
-def namespaces_index(name: str, status: kopf.Status, **_: Any) -> dict[str, str]:
+async def namespaces_index(name: str, status: kopf.Status, **_: Any) -> dict[str, str]:
     return {name: status.get("phase") or "Active"}
 
 
 @kopf.index(GROUP, VERSION, PASSTHROUGH_CONFIG.plural, id=rec.CONFIGS)
-def configs_index(name: str, body: kopf.Body, **_: Any) -> dict[str, ConfigView]:
+async def configs_index(name: str, body: kopf.Body, **_: Any) -> dict[str, ConfigView]:
     return {name: ConfigView.of(body)}
 
 
 @kopf.index("kubevirt.io", "v1", "kubevirts", id=rec.KUBEVIRTS)
-def kubevirts_index(name: str, namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], KubeVirtView]:
+async def kubevirts_index(name: str, namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], KubeVirtView]:
     return {(namespace, name): KubeVirtView.of(body)}
 
 
