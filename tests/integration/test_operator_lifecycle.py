@@ -350,4 +350,4 @@ async def test_an_idle_operator_writes_nothing(api, kinds, gpu_device, namespace
     before = await support.write_counts(api)
     await asyncio.sleep(5)
     after = await support.write_counts(api)
-    assert support.writes_between(before, after, *ours) == 0, support.diff(before, after)
+    assert support.writes_between(before, after, *ours, verbs=support.CHANGE_VERBS) == 0, support.diff(before, after)
