@@ -13,6 +13,7 @@ Everything runs in the foreground; Ctrl-C stops it all and leaves no process beh
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from pathlib import Path
 from e2e import build, fakesysfs
 from e2e.cluster import REPO, LocalCluster, _die_with_parent, prepare
 
-WORKDIR = REPO / ".devcluster"
+WORKDIR = Path(os.environ.get("PASSTHROUGH_DEVCLUSTER_DIR") or REPO / ".devcluster")
 PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
 NODES = {"gpu-node-1": fakesysfs.gpu_node, "storage-node-1": fakesysfs.storage_node}
 EXPECTED_DEVICES = 7  # 2 GPUs + 2 audio functions, 2 NICs + 1 NVMe drive
