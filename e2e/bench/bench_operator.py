@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import psutil  # noqa: E402
 from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import cluster as local  # noqa: E402
@@ -44,6 +45,13 @@ def peak_rss_mib(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_seconds(cluster: local.LocalCluster, operator: OperatorProcess) -> dict[str, float]:
+    """CPU time (user + system) so far of the operator and the control-plane processes."""
+    pids = {"operator": operator.proc.pid, **{p.name: p.pid for p in cluster.processes}}
+    times = {name: psutil.Process(pid).cpu_times() for name, pid in pids.items()}
+    return {name: t.user + t.system for name, t in times.items()}
 
 
 class Seen:
@@ -175,10 +183,12 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         # A burst.
         burst = names[args.sequential: args.sequential + args.burst]
         before = await support.write_counts(api)
+        cpu_before = cpu_seconds(cluster, operator)
         burst_started = time.monotonic()
         written_at = await asyncio.gather(*(assign(objects, name, namespaces[i % 10]) for i, name in enumerate(burst)))
         seen_at = await asyncio.gather(*(seen.wait(name, 300) for name in burst))
         total = max(seen_at) - burst_started
+        cpu = {k: v - cpu_before[k] for k, v in cpu_seconds(cluster, operator).items()}
         burst_latencies = [s - w for s, w in zip(seen_at, written_at, strict=True)]
         await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
         after = await support.write_counts(api)
@@ -186,6 +196,8 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         print(f"burst: {len(burst)} assignments at once: latency p50 {support.p50_p99(burst_latencies)[0] * 1000:.0f} ms, "
               f"p99 {support.p50_p99(burst_latencies)[1] * 1000:.0f} ms; all visible {total:.2f}s after the first write; "
               f"{burst_writes / len(burst):.2f} writes per assignment")
+        print(f"burst CPU until all visible ({total:.1f}s wall, 2 cores): "
+              + ", ".join(f"{k} {v:.1f}s" for k, v in cpu.items()))
 
         # The floor: the same writes, no operator logic, full concurrency.
         node_devices = {d["metadata"]["name"]: d for d in (await npci.list())["items"]}
