@@ -240,16 +240,17 @@ async def test_sighup_rescans_at_once(api, kind, node, tmp_path, cluster):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
-        async def reported(count):
+        def reported(count):
             async def check():
                 return len(await on_node(kind, node)) == count
+
             return check
 
-        await support.wait_for(await reported(4), 30, what="first report")
+        await support.wait_for(reported(4), 30, what="first report")
         host.add_root_port("0000:00:0b.0", "d8", iommu_group=12)
         host.add_device("0000:d8:00.0", "10de", "2331", "030200", driver="vfio-pci", iommu_group=22)
         proc.send_signal(signal.SIGHUP)
-        await support.wait_for(await reported(5), 10, what="the hot-plugged H100 after SIGHUP")
+        await support.wait_for(reported(5), 10, what="the hot-plugged H100 after SIGHUP")
         h100 = (await on_node(kind, node))["0000:d8:00.0"]
         assert h100["status"]["resourceName"] == "nvidia.com/GH100_H100_PCIE"
     finally:

@@ -63,6 +63,7 @@ class Agent:
         self._limit = asyncio.Semaphore(concurrency)
         self._logged: set[str] = set()
         self._assignments: dict[str, str] = {}
+        self._node_labels: dict[str, str] = {}
         self.scans = 0
         self.writes = 0
 
