@@ -192,10 +192,10 @@ class Reconciler:
 
     async def sync_kubevirt(self) -> None:
         config = self.config()
-        kubevirt = None
-        if config is not None:
-            found = _values(self.indices.get(KUBEVIRTS), kubevirt_sync.kubevirt_target(config.spec))
-            kubevirt = found[0] if found else None
+        if config is None:
+            return  # without the platform values, KubeVirt is not ours to manage
+        found = _values(self.indices.get(KUBEVIRTS), kubevirt_sync.kubevirt_target(config.spec))
+        kubevirt = found[0] if found else None
         assigned = {}
         for store in self.indices[DEVICES].values():
             for device in store:
@@ -224,10 +224,9 @@ class Reconciler:
             written = await self.configs.apply(plan.status, OPERATOR_MANAGER, status=True)
             self.writes += 1
             expectations.append(("config", "", CONFIG_NAME, written["metadata"]["resourceVersion"]))
-        if config is not None:
-            involved = {"api_version": API_VERSION, "kind": PASSTHROUGH_CONFIG.kind, "name": config.name, "uid": config.uid}
-            for type_, reason, message in plan.events:
-                self.events.post(involved, type_, reason, message)
+        involved = {"api_version": API_VERSION, "kind": PASSTHROUGH_CONFIG.kind, "name": config.name, "uid": config.uid}
+        for type_, reason, message in plan.events:
+            self.events.post(involved, type_, reason, message)
         if expectations:
             await self._wait_for(lambda: all(self._config_seen(*e) for e in expectations))
 
