@@ -10,6 +10,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
+from passthrough.api.conditions import Cond, condition
 from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCIAttributes
 from passthrough.k8s import NODE_LABEL
 from passthrough.pci.discovery import Device
@@ -22,10 +23,6 @@ READY = "Ready"
 class Node:
     name: str
     uid: str
-
-
-def now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def object_name(device: Device, node: str) -> str:
@@ -122,9 +119,9 @@ def missing_status(live: dict[str, Any], node: str) -> dict[str, Any]:
 
 
 def _live_condition(live: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    for condition in live.get("status", {}).get("conditions") or []:
-        if condition.get("type") == type_:
-            return condition
+    for c in live.get("status", {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c
     return None
 
 
@@ -142,20 +139,18 @@ def changed(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
                 return True
         elif status.get(key) != value:
             return True
-    for condition in desired["conditions"]:
-        got = _live_condition(live, condition["type"])
-        if got is None or any(got.get(k) != condition[k] for k in ("status", "reason", "message")):
+    for c in desired["conditions"]:
+        if not Cond.of(c).same(Cond.of(_live_condition(live, c["type"]))):
             return True
     return False
 
 
 def status_body(name: str, desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
     """The apply body; a condition keeps its transition time unless its status flips."""
-    conditions = []
-    for condition in desired["conditions"]:
-        got = _live_condition(live or {}, condition["type"])
-        keep = got is not None and got.get("status") == condition["status"] and got.get("lastTransitionTime")
-        conditions.append({**condition, "lastTransitionTime": got["lastTransitionTime"] if keep else now()})
+    now = datetime.datetime.now(datetime.UTC)
+    conditions = [
+        condition(c["type"], Cond.of(c), Cond.of(_live_condition(live or {}, c["type"])), now) for c in desired["conditions"]
+    ]
     return {
         "apiVersion": API_VERSION,
         "kind": NODE_PCI_DEVICE.kind,

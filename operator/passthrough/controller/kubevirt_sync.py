@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passthrough.api.models import API_VERSION, CONFIG_NAME, PASSTHROUGH_CONFIG
-from passthrough.controller.lifecycle import Cond, condition
+from passthrough.api.conditions import Cond, condition
 from passthrough.k8s import OPERATOR_MANAGER
 from passthrough.kubevirt.render import Advertised, AssignedDevice, Mismatch, Rendered, ValuesError, mismatches, parse_values, render
 

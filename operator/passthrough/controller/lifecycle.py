@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from passthrough.api.conditions import Cond, condition, parse_timestamp, timestamp
 from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCI_DEVICE
 from passthrough.k8s import NODE_LABEL
 from passthrough.pci.naming import exclusive_resource_name
@@ -24,23 +25,6 @@ DEFAULT_GRACE = datetime.timedelta(minutes=10)
 # Namespaces that never receive devices: VMs do not run there, and a device handed to one is
 # almost certainly a typo. The CRD refuses them up front; this catches objects that predate it.
 SYSTEM_NAMESPACES = frozenset({"kube-system", "kube-public", "kube-node-lease"})
-
-
-@dataclass(frozen=True)
-class Cond:
-    status: str
-    reason: str
-    message: str
-    lastTransitionTime: str = ""
-
-    @classmethod
-    def of(cls, raw: Mapping[str, Any] | None) -> Cond | None:
-        if not raw:
-            return None
-        return cls(raw.get("status", "Unknown"), raw.get("reason", ""), raw.get("message", ""), raw.get("lastTransitionTime", ""))
-
-    def same(self, other: Cond | None) -> bool:
-        return other is not None and (self.status, self.reason, self.message) == (other.status, other.reason, other.message)
 
 
 @dataclass(frozen=True)
@@ -181,32 +165,10 @@ class Plan:
 # -- helpers ------------------------------------------------------------------------------
 
 
-def timestamp(now: datetime.datetime) -> str:
-    return now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_timestamp(text: str) -> datetime.datetime | None:
-    try:
-        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
-    except (TypeError, ValueError):
-        return None
-
-
 def format_duration(delta: datetime.timedelta) -> str:
     seconds = int(delta.total_seconds())
     minutes, seconds = divmod(seconds, 60)
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
-
-
-def condition(type_: str, new: Cond, old: Cond | None, now: datetime.datetime) -> dict[str, Any]:
-    keep = old is not None and old.status == new.status and old.lastTransitionTime
-    return {
-        "type": type_,
-        "status": new.status,
-        "reason": new.reason,
-        "message": new.message,
-        "lastTransitionTime": old.lastTransitionTime if keep else timestamp(now),
-    }
 
 
 def _vm_list(namespace: str, vms: tuple[str, ...]) -> str:
