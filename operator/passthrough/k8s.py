@@ -11,8 +11,8 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -20,6 +20,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from passthrough.api.models import GROUP, VERSION
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 APPLY = "application/apply-patch+yaml"
 AGENT_MANAGER = "passthrough-agent"
@@ -68,6 +69,26 @@ async def require_crds(api: client.ApiClient, *plurals: str) -> None:
         raise CannotStart(f"CRDs missing from the cluster: {', '.join(f'{p}.{GROUP}' for p in missing)}; kubectl apply -f crds/")
 
 
+async def patiently(call: Callable[..., Awaitable[T]], *args: Any, attempts: int = 5, **kwargs: Any) -> T:
+    """`call`, again after the server's Retry-After while it answers 429.
+
+    It does while a new kind's storage initializes ("storage is (re)initializing") and when
+    priority-and-fairness sheds load; both pass within seconds. Every call here is idempotent.
+    """
+    for attempt in range(attempts):
+        try:
+            return await call(*args, **kwargs)
+        except ApiException as exc:
+            if exc.status != 429 or attempt == attempts - 1:
+                raise
+            try:
+                delay = float((exc.headers or {}).get("Retry-After", 1))
+            except ValueError:
+                delay = 1.0
+            await asyncio.sleep(min(max(delay, 0.1), 10))
+    raise AssertionError("unreachable")
+
+
 class Custom:
     """One passthrough.io kind, cluster-scoped or namespaced, with apply as the only write verb."""
 
@@ -75,14 +96,11 @@ class Custom:
         self.objects = client.CustomObjectsApi(api)
         self.plural, self.namespaced, self.group, self.version = plural, namespaced, group, version
 
-    def _args(self, namespace: str | None) -> list[str]:
-        return [self.group, self.version, namespace, self.plural] if self.namespaced else [self.group, self.version, self.plural]
-
     async def get(self, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         try:
             if self.namespaced:
-                return await self.objects.get_namespaced_custom_object(self.group, self.version, namespace, self.plural, name)
-            return await self.objects.get_cluster_custom_object(self.group, self.version, self.plural, name)
+                return await patiently(self.objects.get_namespaced_custom_object, self.group, self.version, namespace, self.plural, name)
+            return await patiently(self.objects.get_cluster_custom_object, self.group, self.version, self.plural, name)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -90,10 +108,12 @@ class Custom:
 
     async def list(self, label_selector: str = "", namespace: str | None = None) -> dict[str, Any]:
         if self.namespaced and namespace:
-            return await self.objects.list_namespaced_custom_object(
-                self.group, self.version, namespace, self.plural, label_selector=label_selector
+            return await patiently(
+                self.objects.list_namespaced_custom_object, self.group, self.version, namespace, self.plural, label_selector=label_selector
             )
-        return await self.objects.list_cluster_custom_object(self.group, self.version, self.plural, label_selector=label_selector)
+        return await patiently(
+            self.objects.list_cluster_custom_object, self.group, self.version, self.plural, label_selector=label_selector
+        )
 
     async def apply(self, body: dict[str, Any], manager: str, status: bool = False, force: bool = True) -> dict[str, Any]:
         """Server-side apply of `body` (its metadata names the object); `status` targets the subresource."""
@@ -103,26 +123,31 @@ class Custom:
         kwargs = {"field_manager": manager, "force": force, "_content_type": APPLY, "_preload_content": False}
         if self.namespaced:
             call = self.objects.patch_namespaced_custom_object_status if status else self.objects.patch_namespaced_custom_object
-            response = await call(self.group, self.version, namespace, self.plural, name, body, **kwargs)
+            args = (self.group, self.version, namespace, self.plural, name, body)
         else:
             call = self.objects.patch_cluster_custom_object_status if status else self.objects.patch_cluster_custom_object
-            response = await call(self.group, self.version, self.plural, name, body, **kwargs)
-        data = await response.read()
-        if not 200 <= response.status < 300:
-            # Without preloading, the client hands back errors as if they were the object.
-            exc = ApiException(status=response.status, reason=response.reason)
-            exc.body = data.decode(errors="replace")
-            raise exc
-        return json.loads(data)
+            args = (self.group, self.version, self.plural, name, body)
+
+        async def once() -> dict[str, Any]:
+            response = await call(*args, **kwargs)
+            data = await response.read()
+            if not 200 <= response.status < 300:
+                # Without preloading, the client hands back errors as if they were the object.
+                exc = ApiException(status=response.status, reason=response.reason)
+                exc.body, exc.headers = data.decode(errors="replace"), response.headers
+                raise exc
+            return json.loads(data)
+
+        return await patiently(once)
 
     async def delete(self, name: str, namespace: str | None = None, uid: str | None = None) -> bool:
         """Delete; False when already gone. `uid` guards against deleting a newer object of that name."""
         body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)) if uid else None
         try:
             if self.namespaced:
-                await self.objects.delete_namespaced_custom_object(self.group, self.version, namespace, self.plural, name, body=body)
+                await patiently(self.objects.delete_namespaced_custom_object, self.group, self.version, namespace, self.plural, name, body=body)
             else:
-                await self.objects.delete_cluster_custom_object(self.group, self.version, self.plural, name, body=body)
+                await patiently(self.objects.delete_cluster_custom_object, self.group, self.version, self.plural, name, body=body)
             return True
         except ApiException as exc:
             if exc.status in (404, 409):

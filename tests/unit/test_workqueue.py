@@ -77,3 +77,4 @@ def test_durations_read_as_admins_write_them(text, seconds):
 def test_a_bad_duration_says_what_is_accepted(text):
     with pytest.raises(DurationError):
         parse_duration(text)
+
