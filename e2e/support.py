@@ -31,17 +31,23 @@ CHANGE_VERBS = ("APPLY", "PATCH", "POST", "PUT")
 _METRIC = re.compile(r'^apiserver_request_total\{([^}]*)\} (\S+)$')
 
 
-async def write_counts(api: client.ApiClient) -> Counter:
-    """Writes the API server has served so far, by (resource, verb)."""
+async def write_counts_by_subresource(api: client.ApiClient) -> Counter:
+    """Writes the API server has served so far, by (resource, subresource, verb)."""
     text = await _raw(api, "/metrics")
     counts: Counter = Counter()
     for line in text.splitlines():
         match = _METRIC.match(line)
-        if not match:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) if match else {}
         if labels.get("verb") in WRITE_VERBS:
-            counts[(labels.get("resource", ""), labels["verb"])] += int(float(match.group(2)))
+            counts[(labels.get("resource", ""), labels.get("subresource", ""), labels["verb"])] += int(float(match.group(2)))
+    return counts
+
+
+async def write_counts(api: client.ApiClient) -> Counter:
+    """Writes the API server has served so far, by (resource, verb)."""
+    counts: Counter = Counter()
+    for (resource, _, verb), n in (await write_counts_by_subresource(api)).items():
+        counts[(resource, verb)] += n
     return counts
 
 
@@ -72,6 +78,11 @@ async def quiet(api: client.ApiClient, resources: tuple[str, ...], settle: float
 async def _raw(api: client.ApiClient, path: str) -> str:
     response = await api.call_api(path, "GET", auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True)
     return (await response.read()).decode()
+
+
+async def create_namespace(api: client.ApiClient, name: str) -> str:
+    await client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    return name
 
 
 async def ensure_node(api: client.ApiClient, name: str) -> report.Node:
@@ -107,6 +118,14 @@ async def report_device(api: client.ApiClient, node: report.Node, device: Device
     return name
 
 
+async def assign(api: client.ApiClient, name: str, namespace: str) -> None:
+    """What an admin does: set a NodePCIDevice's spec.assignedNamespace (a merge patch)."""
+    await client.CustomObjectsApi(api).patch_cluster_custom_object(
+        "passthrough.io", "v1alpha1", "nodepcidevices", name, {"spec": {"assignedNamespace": namespace}},
+        _content_type="application/merge-patch+json",
+    )
+
+
 async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 30, interval: float = 0.1, what: str = "") -> Any:
     """Poll an async predicate until it returns something truthy; raise with `what` on timeout."""
     deadline = time.monotonic() + timeout
@@ -120,18 +139,6 @@ async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 30,
 
 
 # --- For the benchmarks ---------------------------------------------------------------------
-
-
-async def write_counts_by_subresource(api: client.ApiClient) -> Counter:
-    """As `write_counts`, by (resource, subresource, verb): a status write apart from a spec write."""
-    text = await _raw(api, "/metrics")
-    counts: Counter = Counter()
-    for line in text.splitlines():
-        match = _METRIC.match(line)
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) if match else {}
-        if labels.get("verb") in WRITE_VERBS:
-            counts[(labels.get("resource", ""), labels.get("subresource", ""), labels["verb"])] += int(float(match.group(2)))
-    return counts
 
 
 def p50_p99(samples: list[float]) -> tuple[float, float]:

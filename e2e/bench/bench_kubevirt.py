@@ -197,8 +197,7 @@ async def bench(local: cluster.LocalCluster, log: Path, args: argparse.Namespace
     kubevirt = WatchedKubeVirt(api)
     watching = None
     try:
-        core = client.CoreV1Api(api)
-        await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
+        await support.create_namespace(api, NAMESPACE)
         await support.create_kubevirt(api, NAMESPACE)
         operator.start()
         watching = asyncio.create_task(kubevirt.mirror.run())

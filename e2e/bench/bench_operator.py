@@ -36,7 +36,6 @@ from e2e.processes import OperatorProcess  # noqa: E402
 from passthrough.api.models import API_VERSION  # noqa: E402
 from passthrough.k8s import Custom, connect  # noqa: E402
 
-MERGE = "application/merge-patch+json"
 OURS = ("pcidevices", "nodepcidevices")
 
 
@@ -92,10 +91,8 @@ class Seen:
         return self.first[name]
 
 
-async def assign(objects, name: str, namespace: str) -> float:
-    await objects.patch_cluster_custom_object(
-        "passthrough.io", "v1alpha1", "nodepcidevices", name, {"spec": {"assignedNamespace": namespace}}, _content_type=MERGE
-    )
+async def assign(api, name: str, namespace: str) -> float:
+    await support.assign(api, name, namespace)
     return time.monotonic()
 
 
@@ -125,11 +122,10 @@ async def floor(api, names: list[str], namespace: str, node_devices: dict[str, d
 
 async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
     api = await connect(str(cluster.kubeconfig))
-    core, objects = client.CoreV1Api(api), client.CustomObjectsApi(api)
     npci = Custom(api, "nodepcidevices")
     namespaces = [f"bench-{i}" for i in range(10)] + ["bench-floor"]
     for ns in namespaces:
-        await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+        await support.create_namespace(api, ns)
 
     per_node = 100
     limit = asyncio.Semaphore(32)
@@ -169,7 +165,7 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         before = await support.write_counts(api)
         latencies = []
         for i, name in enumerate(sequential):
-            written = await assign(objects, name, namespaces[i % 10])
+            written = await assign(api, name, namespaces[i % 10])
             latencies.append(await seen.wait(name) - written)
         await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
         after = await support.write_counts(api)
@@ -185,7 +181,7 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         before = await support.write_counts(api)
         cpu_before = cpu_seconds(cluster, operator)
         burst_started = time.monotonic()
-        written_at = await asyncio.gather(*(assign(objects, name, namespaces[i % 10]) for i, name in enumerate(burst)))
+        written_at = await asyncio.gather(*(assign(api, name, namespaces[i % 10]) for i, name in enumerate(burst)))
         seen_at = await asyncio.gather(*(seen.wait(name, 300) for name in burst))
         total = max(seen_at) - burst_started
         cpu = {k: v - cpu_before[k] for k, v in cpu_seconds(cluster, operator).items()}

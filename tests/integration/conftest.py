@@ -9,6 +9,7 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client
 
+from e2e import support
 from e2e.processes import OperatorProcess
 from passthrough.k8s import connect
 
@@ -32,7 +33,7 @@ def unique():
 async def namespace(api, unique):
     core = client.CoreV1Api(api)
     name = f"t-{unique}"
-    await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    await support.create_namespace(api, name)
     yield name
     with contextlib.suppress(client.exceptions.ApiException):
         await core.delete_namespace(name)

@@ -183,10 +183,7 @@ async def test_an_assignment_moves_the_device_out_of_the_pool(api, kind, node, t
     try:
         await support.wait_for(lambda: on_node(kind, node), what="first report")
         name = (await on_node(kind, node))[GPUS[0]]["metadata"]["name"]
-        await client.CustomObjectsApi(api).patch_cluster_custom_object(
-            "passthrough.io", "v1alpha1", "nodepcidevices", name, {"spec": {"assignedNamespace": "team-x"}},
-            _content_type="application/merge-patch+json",
-        )
+        await support.assign(api, name, "team-x")
 
         async def exclusive():
             status = (await kind.get(name))["status"]

@@ -193,8 +193,7 @@ async def test_assigned_devices_get_their_exclusive_entry(api, kinds, config, ku
     node = await support.ensure_node(api, f"kvnode-{unique}")
     try:
         name = await support.report_device(api, node, support.gpu("0000:5e:00.0"))
-        await client.CustomObjectsApi(api).patch_cluster_custom_object(
-            "passthrough.io", "v1alpha1", "nodepcidevices", name, {"spec": {"assignedNamespace": kubevirt_ns}}, _content_type=MERGE)
+        await support.assign(api, name, kubevirt_ns)
         wanted = {"pciVendorSelector": "10DE:2236", "resourceName": f"passthrough.io/{name}", "externalResourceProvider": True}
         await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted in pci_list(o), "exclusive entry")
     finally:

@@ -17,7 +17,6 @@ from passthrough.controller.lifecycle import FINALIZER
 from passthrough.k8s import Custom
 
 pytestmark = pytest.mark.cluster
-MERGE = "application/merge-patch+json"
 
 
 def conditions(obj) -> dict:
@@ -36,12 +35,6 @@ async def gpu_device(api, unique, operator):
     name = await support.report_device(api, node, support.gpu("0000:3b:00.0"))
     yield node, name
     await client.CoreV1Api(api).delete_node(node.name)
-
-
-async def assign(api, name: str, namespace: str) -> None:
-    await client.CustomObjectsApi(api).patch_cluster_custom_object(
-        "passthrough.io", "v1alpha1", "nodepcidevices", name, {"spec": {"assignedNamespace": namespace}}, _content_type=MERGE
-    )
 
 
 async def condition_of(kind: Custom, name: str, type_: str, namespace: str | None = None) -> dict:
@@ -91,7 +84,7 @@ async def put_vm(api, namespace: str, name: str, devices: list[str]) -> dict:
 async def test_assignment_creates_the_pcidevice_with_attributes_and_owner(api, kinds, gpu_device, namespace):
     npci, pcidev = kinds
     _, name = gpu_device
-    await assign(api, name, namespace)
+    await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     device = await pcidev.get(name, namespace)
     node_device = await npci.get(name)
@@ -110,9 +103,9 @@ async def test_assignment_creates_the_pcidevice_with_attributes_and_owner(api, k
 async def test_unassigning_deletes_the_pcidevice(api, kinds, gpu_device, namespace):
     npci, pcidev = kinds
     _, name = gpu_device
-    await assign(api, name, namespace)
+    await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
-    await assign(api, name, "")
+    await support.assign(api, name, "")
     got = await wait_condition(npci, name, "Assigned", "Available", contains="Not assigned")
     assert got["status"] == "False"
     assert await pcidev.get(name, namespace) is None
@@ -123,11 +116,11 @@ async def test_reassigning_moves_the_pcidevice(api, kinds, gpu_device, namespace
     _, name = gpu_device
     core = client.CoreV1Api(api)
     other = f"{namespace}-b"
-    await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=other)))
+    await support.create_namespace(api, other)
     try:
-        await assign(api, name, namespace)
+        await support.assign(api, name, namespace)
         await wait_condition(npci, name, "Assigned", "Assigned")
-        await assign(api, name, other)
+        await support.assign(api, name, other)
         await support.wait_for(lambda: pcidev.get(name, other), what="PCIDevice in the new namespace")
         await support.wait_for(absent(pcidev, name, namespace), what="old PCIDevice gone")
         assert other in (await condition_of(npci, name, "Assigned"))["message"]
@@ -146,10 +139,10 @@ async def test_a_namespace_created_later_completes_the_assignment(api, kinds, gp
     npci, pcidev = kinds
     _, name = gpu_device
     later = f"late-{unique}"
-    await assign(api, name, later)
+    await support.assign(api, name, later)
     await wait_condition(npci, name, "Assigned", "Available", contains=f"Namespace {later} does not exist")
     core = client.CoreV1Api(api)
-    await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=later)))
+    await support.create_namespace(api, later)
     try:
         await wait_condition(npci, name, "Assigned", "Assigned")
         assert await pcidev.get(name, later) is not None
@@ -163,8 +156,8 @@ async def test_deleting_the_namespace_takes_the_pcidevice_and_the_condition_says
     _, name = gpu_device
     ns = f"gone-{unique}"
     core = client.CoreV1Api(api)
-    await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
-    await assign(api, name, ns)
+    await support.create_namespace(api, ns)
+    await support.assign(api, name, ns)
     await wait_condition(npci, name, "Assigned", "Assigned")
     await core.delete_namespace(ns)
 
@@ -178,7 +171,7 @@ async def test_deleting_the_namespace_takes_the_pcidevice_and_the_condition_says
 async def test_ready_is_mirrored_and_a_device_back_within_grace_is_just_ready_again(api, kinds, gpu_device, namespace):
     npci, pcidev = kinds
     node, name = gpu_device
-    await assign(api, name, namespace)
+    await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     uid = (await pcidev.get(name, namespace))["metadata"]["uid"]
     await support.report_device(api, node, support.gpu("0000:3b:00.0"), missing=True)
@@ -192,7 +185,7 @@ async def test_ready_is_mirrored_and_a_device_back_within_grace_is_just_ready_ag
 async def test_after_the_grace_period_the_pcidevice_is_removed_and_comes_back_with_the_device(api, kinds, gpu_device, namespace):
     npci, pcidev = kinds
     node, name = gpu_device
-    await assign(api, name, namespace)
+    await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     await support.report_device(api, node, support.gpu("0000:3b:00.0"), missing=True)
     got = await wait_condition(npci, name, "Assigned", "Available", timeout=30, contains="grace period")  # 4s here
@@ -215,7 +208,7 @@ async def test_an_unassigned_device_gone_from_its_node_is_deleted(api, kinds, gp
 async def test_a_vm_reference_attaches_the_device_on_both_objects(api, kinds, gpu_device, namespace):
     npci, pcidev = kinds
     _, name = gpu_device
-    await assign(api, name, namespace)
+    await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     await put_vm(api, namespace, "vm-a", [f"passthrough.io/{name}"])
     got = await wait_condition(pcidev, name, "Attached", "AttachedToVirtualMachine", namespace)
@@ -237,13 +230,13 @@ async def test_reassigning_while_a_vm_uses_the_device_never_cuts_it_off(api, kin
     _, name = gpu_device
     core = client.CoreV1Api(api)
     other = f"{namespace}-new"
-    await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=other)))
+    await support.create_namespace(api, other)
     try:
-        await assign(api, name, namespace)
+        await support.assign(api, name, namespace)
         await wait_condition(npci, name, "Assigned", "Assigned")
         vm = await put_vm(api, namespace, "running", [f"passthrough.io/{name}"])
         await wait_condition(pcidev, name, "Attached", "AttachedToVirtualMachine", namespace)
-        await assign(api, name, other)
+        await support.assign(api, name, other)
         await support.wait_for(lambda: pcidev.get(name, other), what="PCIDevice in the new namespace")
 
         async def old_terminating():
@@ -269,7 +262,7 @@ async def test_reassigning_while_a_vm_uses_the_device_never_cuts_it_off(api, kin
 async def test_deleting_a_node_device_waits_for_the_pcidevice_a_vm_uses(api, kinds, gpu_device, namespace):
     npci, pcidev = kinds
     _, name = gpu_device
-    await assign(api, name, namespace)
+    await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     await put_vm(api, namespace, "holder", [f"passthrough.io/{name}"])
     await support.wait_for(lambda: _has_finalizer(npci, name), what="NodePCIDevice finalizer")
@@ -294,7 +287,7 @@ async def _has_finalizer(kind, name):
 async def test_transitions_are_told_as_events(api, kinds, gpu_device, namespace):
     npci, _ = kinds
     _, name = gpu_device
-    await assign(api, name, namespace)
+    await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     core = client.CoreV1Api(api)
 
@@ -314,10 +307,10 @@ async def test_racing_assignments_end_in_the_namespace_written_last(api, kinds, 
     core = client.CoreV1Api(api)
     others = [f"{namespace}-{i}" for i in range(3)]
     for ns in others:
-        await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+        await support.create_namespace(api, ns)
     try:
         for ns in [namespace, *others]:
-            await assign(api, name, ns)  # back to back, no waiting
+            await support.assign(api, name, ns)  # back to back, no waiting
         last = others[-1]
 
         async def settled():
@@ -340,7 +333,7 @@ async def test_system_namespaces_are_refused_up_front(cluster, gpu_device):
 async def test_an_idle_operator_writes_nothing(api, kinds, gpu_device, namespace):
     npci, pcidev = kinds
     _, name = gpu_device
-    await assign(api, name, namespace)
+    await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     await wait_condition(pcidev, name, "Ready", "Ready", namespace)
     # Earlier tests' namespaces and nodes are still being cleaned up by the controller-manager;

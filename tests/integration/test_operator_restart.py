@@ -15,16 +15,14 @@ from e2e.processes import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 COUNT = 200
-MERGE = "application/merge-patch+json"
 
 
 async def test_operator_killed_mid_way_through_200_assignments_converges(api, cluster, tmp_path, unique):
     core = client.CoreV1Api(api)
-    objects = client.CustomObjectsApi(api)
     npci, pcidev = Custom(api, "nodepcidevices"), Custom(api, "pcidevices", namespaced=True)
     first, second = f"kill-{unique}-a", f"kill-{unique}-b"
     for ns in (first, second):
-        await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+        await support.create_namespace(api, ns)
     node = await support.ensure_node(api, f"big-{unique}")
     limit = asyncio.Semaphore(16)
 
@@ -36,9 +34,7 @@ async def test_operator_killed_mid_way_through_200_assignments_converges(api, cl
 
     async def assign(name, ns):
         async with limit:
-            await objects.patch_cluster_custom_object(
-                "passthrough.io", "v1alpha1", "nodepcidevices", name, {"spec": {"assignedNamespace": ns}}, _content_type=MERGE
-            )
+            await support.assign(api, name, ns)
 
     operator = OperatorProcess(cluster, tmp_path / "operator.log")
     operator.start()
