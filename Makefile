@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: run test unit integration crds controlplane cluster-up cluster-down bench venv clean
+.PHONY: run test unit integration crds protos controlplane cluster-up cluster-down bench venv clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,10 @@ integration: controlplane
 crds: venv
 	$(VENV)/bin/passthrough crds --out crds
 	$(VENV)/bin/passthrough crds --out charts/passthrough-operator/crds
+
+## Regenerate the kubelet gRPC code (operator/passthrough/deviceplugin/kubeletapi) from its vendored protos.
+protos: venv
+	$(PY) -m passthrough.deviceplugin.kubeletapi.codegen
 
 cluster-up: controlplane
 	$(PY) -m e2e.cluster up
