@@ -5,6 +5,11 @@ else reaches them through relative symlinks, as on a real host: `sys/bus/pci/dev
 `driver`, `iommu_group` and its `devices/` back links, `sys/class/net` and
 `sys/class/block` (into `net/<ifname>` and the disk and partition directories), block
 `holders/`. So code that reads the fixture reads a real host the same way.
+
+Next to them, `dev/vfio/` holds a node per IOMMU group while a member is on vfio-pci (and
+`vfio` while vfio-pci is loaded), and `fakehost/` what the kernel knows beyond sysfs: each
+device's default driver (its driver's ID table matches it) and the devices something holds
+open. `e2e.fakekernel` reads both to answer the bind sequence's writes.
 """
 
 from __future__ import annotations
@@ -25,23 +30,47 @@ _SWAPS_HEADER = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
 
 
 class FakeHost:
-    """A host's /sys and /proc under `root`, grown one device at a time."""
+    """A host's /sys, /proc and /dev under `root`, grown one device at a time."""
 
     def __init__(self, root: Path, iommu: bool = True, vfio: bool = True) -> None:
-        self.root = Path(root)
-        self.sysfs = self.root / "sys"
-        self.proc = self.root / "proc"
-        self.iommu = iommu
-        self._bridges: dict[str, str] = {}  # "dddd:bb" secondary bus -> the bridge's address
+        self._paths(root, iommu)
         for d in ("bus/pci/devices", "bus/pci/drivers", "devices/virtual/block", "class/net", "class/block",
                   "block", "module", "kernel/iommu_groups"):  # fmt: skip
             (self.sysfs / d).mkdir(parents=True, exist_ok=True)
+        (self.sysfs / "bus" / "pci" / "drivers_probe").write_text("")
+        for d in ("default_driver", "busy", "fragile"):
+            (self.state / d).mkdir(parents=True, exist_ok=True)
+        self.dev.mkdir(parents=True, exist_ok=True)
         if vfio:
-            self._driver_dir("vfio-pci")
-            (self.sysfs / "module" / "vfio_pci").mkdir()
+            self.load_vfio()
         self.proc.mkdir(parents=True, exist_ok=True)
         (self.proc / "mounts").write_text(_MOUNTS_HEADER)
         (self.proc / "swaps").write_text(_SWAPS_HEADER)
+
+    @classmethod
+    def existing(cls, root: Path) -> FakeHost:
+        """The host already built under `root` (by another process), left as it is."""
+        if not (Path(root) / "sys" / "bus" / "pci").is_dir():
+            raise FileNotFoundError(f"{root} holds no fixture host (no sys/bus/pci)")
+        host = cls.__new__(cls)
+        host._paths(root, iommu=True)
+        return host
+
+    def _paths(self, root: Path, iommu: bool) -> None:
+        self.root = Path(root)
+        self.sysfs = self.root / "sys"
+        self.proc = self.root / "proc"
+        self.dev = self.root / "dev"
+        self.state = self.root / "fakehost"
+        self.iommu = iommu
+        self._bridges: dict[str, str] = {}  # "dddd:bb" secondary bus -> the bridge's address
+
+    def load_vfio(self) -> None:
+        """`modprobe vfio-pci`: its driver, its module and the VFIO container node appear."""
+        self._driver_dir("vfio-pci")
+        (self.sysfs / "module" / "vfio_pci").mkdir(parents=True, exist_ok=True)
+        (self.dev / "vfio").mkdir(parents=True, exist_ok=True)
+        (self.dev / "vfio" / "vfio").touch()
 
     # --- Devices ----------------------------------------------------------------------
 
@@ -77,6 +106,7 @@ class FakeHost:
         _link(path / "subsystem", self.sysfs / "bus" / "pci")
         _link(self.sysfs / "bus" / "pci" / "devices" / address, path)
         if driver:
+            self.set_default_driver(address, driver)
             self.bind(address, driver)
         if iommu_group is not None:
             if not self.iommu:
@@ -86,6 +116,7 @@ class FakeHost:
             (group / "type").write_text("DMA\n")
             _link(path / "iommu_group", group)
             _link(group / "devices" / address, path)
+            self._sync_vfio_node(iommu_group)
         return path
 
     def add_root_port(self, address: str, secondary_bus: str, *, iommu_group: int | None = None) -> Path:
@@ -98,7 +129,8 @@ class FakeHost:
         return Path(os.path.realpath(self.sysfs / "bus" / "pci" / "devices" / address))
 
     def bind(self, address: str, driver: str | None) -> None:
-        """Bind the device to `driver` (None: unbind), with the driver's back link."""
+        """Bind the device to `driver` (None: unbind), with the driver's back link and, for
+        vfio-pci, its group's node in `dev/vfio`."""
         path = self.device_dir(address)
         old = path / "driver"
         if old.is_symlink():
@@ -108,10 +140,26 @@ class FakeHost:
             drv = self._driver_dir(driver)
             _link(path / "driver", drv)
             _link(drv / address, path)
+        group = self.iommu_group(address)
+        if group is not None:
+            self._sync_vfio_node(group)
+
+    def driver(self, address: str) -> str:
+        """The device's driver; "" when it has none."""
+        return _link_name(self.sysfs / "bus" / "pci" / "devices" / address / "driver")
+
+    def iommu_group(self, address: str) -> int | None:
+        link = self.sysfs / "bus" / "pci" / "devices" / address / "iommu_group"
+        return int(os.path.basename(os.readlink(link))) if link.is_symlink() else None
+
+    def vfio_node(self, group: int) -> Path:
+        return self.dev / "vfio" / str(group)
 
     def remove_device(self, address: str) -> None:
         """The device vanishes (hot-unplug), with everything below it and every link to it."""
         path = self.device_dir(address)
+        bus = self.sysfs / "bus" / "pci" / "devices"
+        gone = {a: self.iommu_group(a) for a in os.listdir(bus) if _under(Path(os.path.realpath(bus / a)), path)}
         links = [self.sysfs / "bus" / "pci" / "devices", self.sysfs / "class" / "net", self.sysfs / "class" / "block",
                  self.sysfs / "block", *(self.sysfs / "bus" / "pci" / "drivers").iterdir()]  # fmt: skip
         groups = self.sysfs / "kernel" / "iommu_groups"
@@ -120,10 +168,41 @@ class FakeHost:
             for entry in folder.iterdir():
                 if entry.is_symlink() and _under(Path(os.path.realpath(entry)), path):
                     entry.unlink()
-        for group in list(groups.iterdir()):
-            if not any((group / "devices").iterdir()):
-                shutil.rmtree(group)
+        for folder in list(groups.iterdir()):
+            if not any((folder / "devices").iterdir()):
+                shutil.rmtree(folder)
         shutil.rmtree(path)
+        for gone_address, group in gone.items():
+            if group is not None:
+                self._sync_vfio_node(group)
+            for state in ("default_driver", "busy", "fragile"):
+                (self.state / state / gone_address).unlink(missing_ok=True)
+
+    # --- What the kernel knows beyond sysfs (read by e2e.fakekernel) --------------------
+
+    def set_default_driver(self, address: str, driver: str | None) -> None:
+        """The driver that claims the device when it is probed without `driver_override`
+        (None: none does, as a GPU on a node without the NVIDIA driver)."""
+        self._flag("default_driver", address, driver)
+
+    def default_driver(self, address: str) -> str | None:
+        return self._read_flag("default_driver", address) or None
+
+    def set_busy(self, address: str, busy: bool = True) -> None:
+        """Something holds the device open (nvidia-persistenced, a VM on /dev/vfio/<group>):
+        its driver does not let go of it on unbind. The write is accepted and the device stays
+        bound, as a driver with users leaves it."""
+        self._flag("busy", address, "1" if busy else None)
+
+    def is_busy(self, address: str) -> bool:
+        return bool(self._read_flag("busy", address))
+
+    def set_fragile(self, address: str, fragile: bool = True) -> None:
+        """The device falls off the bus when its driver lets go of it (a GPU whose reset fails)."""
+        self._flag("fragile", address, "1" if fragile else None)
+
+    def is_fragile(self, address: str) -> bool:
+        return bool(self._read_flag("fragile", address))
 
     # --- What the host does with them -------------------------------------------------
 
@@ -183,6 +262,13 @@ class FakeHost:
     def remove_attribute(self, address: str, name: str) -> None:
         (self.device_dir(address) / name).unlink()
 
+    def refuse_writes(self, address: str, name: str) -> None:
+        """Writes to the device's attribute `name` fail (EISDIR): it becomes a directory, since
+        root ignores file modes."""
+        attribute = self.device_dir(address) / name
+        attribute.unlink(missing_ok=True)
+        attribute.mkdir()
+
     def break_link(self, address: str, name: str) -> None:
         """Point the device's link `name` (`driver`, `iommu_group`) at something that is gone."""
         link = self.device_dir(address) / name
@@ -200,6 +286,31 @@ class FakeHost:
                 (path / name).write_text("")
         return path
 
+    def _sync_vfio_node(self, group: int) -> None:
+        """`dev/vfio/<group>` exists while a member of the group is on vfio-pci."""
+        members = self.sysfs / "kernel" / "iommu_groups" / str(group) / "devices"
+        bound = any(_link_name(m / "driver") == "vfio-pci" for m in members.iterdir()) if members.is_dir() else False
+        node = self.vfio_node(group)
+        if bound:
+            node.parent.mkdir(parents=True, exist_ok=True)
+            node.touch()
+        else:
+            node.unlink(missing_ok=True)
+
+    def _flag(self, kind: str, address: str, value: str | None) -> None:
+        path = self.state / kind / address
+        if value is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(value)
+
+    def _read_flag(self, kind: str, address: str) -> str:
+        try:
+            return (self.state / kind / address).read_text()
+        except FileNotFoundError:
+            return ""
+
     def _block_dir(self, path: Path, name: str) -> None:
         path.mkdir(parents=True)
         (path / "holders").mkdir()
@@ -211,6 +322,13 @@ def _link(link: Path, target: Path) -> None:
     """A relative symlink, as sysfs makes them (so the tree can be moved or copied)."""
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(os.path.relpath(target, link.parent))
+
+
+def _link_name(link: Path) -> str:
+    try:
+        return os.path.basename(os.readlink(link))
+    except OSError:  # no link, or its device vanished meanwhile
+        return ""
 
 
 def _under(path: Path, folder: Path) -> bool:

@@ -64,6 +64,7 @@ class Device:
     eligible: bool
     reason: str  # "" when eligible
     reported: bool  # False: left out by the agent (bus 00, class 05/06/08, no identity)
+    driver_override: str = ""  # `driver_override`; "" when unset ("(null)") or unreadable
 
     def to_json(self) -> dict:
         return {
@@ -117,6 +118,7 @@ class _Found:
     subsystem_device_id: str = ""
     class_code: str = ""
     driver: str = ""
+    driver_override: str = ""
     iommu_group: int = -1
     numa_node: int = -1
     problems: list[str] = field(default_factory=list)
@@ -145,7 +147,7 @@ class _Found:
 def discover(sysfs_root: Path, proc_root: Path, pci_ids: PciIds) -> Discovery:
     sysfs_root, proc_root = Path(sysfs_root), Path(proc_root)
     problems: list[str] = []
-    node = NodeState(iommu_enabled=_iommu_enabled(sysfs_root), vfio_available=_vfio_available(sysfs_root))
+    node = NodeState(iommu_enabled=_iommu_enabled(sysfs_root), vfio_available=vfio_available(sysfs_root))
 
     devices_dir = sysfs_root / "bus" / "pci" / "devices"
     found: dict[str, _Found] = {}
@@ -185,7 +187,8 @@ def _iommu_enabled(sysfs_root: Path) -> bool:
         return False
 
 
-def _vfio_available(sysfs_root: Path) -> bool:
+def vfio_available(sysfs_root: Path) -> bool:
+    """vfio-pci is loaded: its driver is registered, or its module is (built in or not)."""
     return (sysfs_root / "bus" / "pci" / "drivers" / "vfio-pci").exists() or (
         sysfs_root / "module" / "vfio_pci"
     ).exists()
@@ -208,6 +211,7 @@ def _read_device(entry: Path, address: str) -> _Found | None:
     device.subsystem_vendor_id = device.attempt(sysfs.read_hex, entry / "subsystem_vendor", 4, default="")
     device.subsystem_device_id = device.attempt(sysfs.read_hex, entry / "subsystem_device", 4, default="")
     device.driver = device.attempt(sysfs.link_name, entry / "driver", default="")
+    device.driver_override = _driver_override(entry)
     # Without CONFIG_NUMA the kernel has no numa_node file at all.
     device.numa_node = device.attempt(sysfs.read_int, entry / "numa_node", -1, default=-1)
     if device.numa_node < -1:
@@ -221,6 +225,16 @@ def _read_device(entry: Path, address: str) -> _Found | None:
     if device.problems and not os.path.lexists(entry):
         return None
     return device
+
+
+def _driver_override(entry: Path) -> str:
+    # Only a hint of who bound the device (the agent gives back only what it bound itself):
+    # an unreadable file is not a problem of the device.
+    try:
+        value = sysfs.read_text(entry / "driver_override")
+    except SysfsError:
+        return ""
+    return "" if value == "(null)" else value
 
 
 def _attach(found: dict[str, _Found], sysfs_root: Path, problems: list[str]) -> None:
@@ -430,4 +444,5 @@ def _device(found: _Found, pci_ids: PciIds) -> Device:
         eligible=not found.why,
         reason=f"{found.why}; {found.todo}" if found.why else "",
         reported=found.reported,
+        driver_override=found.driver_override,
     )

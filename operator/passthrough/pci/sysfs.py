@@ -1,6 +1,7 @@
-"""Every read of sysfs and procfs the agent makes, relative to roots a test can point elsewhere.
+"""Every read of sysfs and procfs the agent makes, and its only writes (the vfio bind sequence),
+relative to roots a test can point elsewhere.
 
-A read that fails raises SysfsError, whose message names the file and the problem.
+A read or write that fails raises SysfsError, whose message names the file and the problem.
 """
 
 from __future__ import annotations
@@ -12,6 +13,34 @@ from pathlib import Path
 
 class SysfsError(Exception):
     """A sysfs or procfs file that is missing, unreadable or not what the kernel writes."""
+
+
+class SysfsWriteError(SysfsError):
+    """The kernel refused a write; `errno` says how (ENOENT: the file, or its device, is gone)."""
+
+    def __init__(self, message: str, path: Path, errno: int | None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `text` to a sysfs attribute in one write(2), as `echo -n text > path` does.
+
+    Never creates a file: an attribute that is not there is an error (its device is gone),
+    and the kernel takes a value only whole, so a short write is an error too.
+    """
+    data = text.encode("ascii")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        try:
+            written = os.write(fd, data)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise SysfsWriteError(f"writing {text!r} to {path} failed ({e.strerror or e})", path, e.errno) from None
+    if written != len(data):
+        raise SysfsWriteError(f"writing {text!r} to {path} stopped after {written} bytes", path, None)
 
 
 def read_text(path: Path) -> str:

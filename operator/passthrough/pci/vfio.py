@@ -1,0 +1,296 @@
+"""Moves whole IOMMU groups to vfio-pci and gives them back through sysfs, and tells whether a
+bound device is usable: the host side of passthrough, called by the agent from a thread.
+
+The kernel acts on a write before write(2) returns, a test's simulated kernel a moment later
+(and some drivers probe asynchronously), so every check after a write polls, for at most
+`timeout` seconds.
+
+Choices:
+- `bind_group` is all or nothing: when a member fails, the members this call changed go back
+  to the driver they had (and their old `driver_override`), and the error says it was rolled
+  back - or, if that failed too, which device is left where.
+- `release_group` gives back all it can and does not roll back (putting devices back on
+  vfio-pci would not help whoever asked for them). A device that no driver claims after the
+  re-probe (a GPU on a node without the NVIDIA driver, as passthrough nodes often are) is left
+  driverless, and that is success: it is off vfio-pci, which is all a release promises. A
+  device still on vfio-pci is a failure (`UnbindRefused`, `GiveBackFailed`); a device that
+  vanished has nothing left to give back and is no failure either.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from passthrough.pci import sysfs
+from passthrough.pci.discovery import BRIDGE_CLASS, vfio_available
+from passthrough.pci.sysfs import SysfsError, SysfsWriteError
+
+VFIO_DRIVER = "vfio-pci"
+_NOT_LOADED = "vfio-pci is not loaded on this node: modprobe vfio-pci (and add it to /etc/modules-load.d)"
+# What to do when a driver keeps a device it was told to let go of.
+_USERS = {
+    "nvidia": "stop what uses the GPU (nvidia-smi, nvidia-persistenced) or unload the driver",
+    VFIO_DRIVER: "a VM or process still holds /dev/vfio/{group}; stop it first",
+}
+
+
+class BindError(Exception):
+    """Why a group could not be bound or given back. `reason`, in CamelCase, is one of:
+
+    VfioNotLoaded, DeviceGone, NotInGroup, UnbindRefused, BindFailed, VfioDeviceMissing,
+    GiveBackFailed. The message says what to do.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def group_members(sysfs_root: Path, group: int) -> list[str]:
+    """The addresses in IOMMU group `group` that are not bridges (bridges stay with the host).
+
+    SysfsError when a member's class cannot be read: it cannot be told from a bridge.
+    """
+    listing = Path(sysfs_root) / "kernel" / "iommu_groups" / str(group) / "devices"
+    members = []
+    for address in sysfs.entries(listing):
+        try:
+            class_code = sysfs.read_hex(listing / address / "class", 6)
+        except SysfsError:
+            if not (listing / address).exists():
+                continue  # it vanished while being listed
+            raise
+        if not class_code.startswith(BRIDGE_CLASS):
+            members.append(address)
+    return members
+
+
+def device_healthy(sysfs_root: Path, dev_root: Path, address: str, group: int) -> bool:
+    """On vfio-pci and `/dev/vfio/<group>` is there: a readlink and a stat, cheap enough to poll."""
+    try:
+        driver = os.readlink(os.path.join(sysfs_root, "bus", "pci", "devices", address, "driver"))
+    except OSError:
+        return False
+    return os.path.basename(driver) == VFIO_DRIVER and os.path.exists(os.path.join(dev_root, "vfio", str(group)))
+
+
+def bind_group(sysfs_root: Path, dev_root: Path, group: int, addresses: list[str], timeout: float = 5.0) -> int:
+    """Put `addresses` (the group's non-bridge members) on vfio-pci, then wait for
+    `<dev>/vfio/<group>`. Returns the number of sysfs writes made: 0 when all are there already.
+    """
+    host = _Host(Path(sysfs_root), group)
+    if not vfio_available(host.root):
+        raise BindError("VfioNotLoaded", _NOT_LOADED)
+    for address in addresses:
+        host.check_member(address)
+    changed: list[_Before] = []
+    for address in addresses:
+        before = _Before(address, host.driver(address) or "", host.override(address))
+        if before.driver == VFIO_DRIVER:
+            continue
+        changed.append(before)  # before the first write, so a partial change is undone too
+        try:
+            host.to_vfio(before, timeout)
+        except BindError as e:
+            raise host.rolled_back(e, changed, timeout) from None
+    node = Path(dev_root) / "vfio" / str(group)
+    if not _wait(node.exists, timeout):
+        raise BindError(
+            "VfioDeviceMissing",
+            f"IOMMU group {group} is on vfio-pci but {node} did not appear within {timeout:g} s: "
+            "check that the agent sees the host's /dev and that devtmpfs (or udev) creates the node",
+        )
+    return host.writes
+
+
+def release_group(
+    sysfs_root: Path, group: int, addresses: list[str], timeout: float = 5.0, claim_wait: float = 1.0
+) -> int:
+    """Give the members on vfio-pci back to their drivers: clear `driver_override`, unbind,
+    re-probe. Returns the number of sysfs writes made. Whether a pod holds them is the caller's
+    question. A device no driver has claimed `claim_wait` s after the re-probe is left driverless
+    (the kernel's probe is done when the write returns, but a driver that probes asynchronously
+    takes a moment)."""
+    host = _Host(Path(sysfs_root), group)
+    given: list[str] = []
+    failed: list[BindError] = []
+    for address in addresses:
+        try:
+            if host.give_back(address, timeout, claim_wait):
+                given.append(address)
+        except BindError as e:
+            if e.reason != "DeviceGone":  # gone mid-way: nothing is left to give back
+                failed.append(e)
+    if failed:
+        message = "; ".join(str(e) for e in failed)
+        if given:
+            message += f" ({', '.join(given)} went back)"
+        raise BindError(failed[0].reason, message)
+    return host.writes
+
+
+@dataclass(frozen=True)
+class _Before:
+    address: str
+    driver: str  # "" when none
+    override: str  # "" when unset
+
+
+class _Host:
+    """The sysfs of one bind or release: each step with its check, and the count of writes."""
+
+    def __init__(self, root: Path, group: int) -> None:
+        self.root, self.group = root, group
+        self.writes = 0
+
+    # --- Reading ------------------------------------------------------------------------
+
+    def device(self, address: str) -> Path:
+        return self.root / "bus" / "pci" / "devices" / address
+
+    def driver(self, address: str) -> str | None:
+        """The device's driver, "" when it has none, None when the device is gone."""
+        entry = self.device(address)
+        try:
+            return os.path.basename(os.readlink(entry / "driver"))
+        except FileNotFoundError:
+            return "" if entry.exists() else None
+        except OSError as e:
+            if not entry.exists():
+                return None
+            raise BindError("BindFailed", f"{entry / 'driver'} is not a readable link ({e.strerror or e})") from None
+
+    def override(self, address: str) -> str:
+        # Unreadable counts as unset: the write that follows says what is wrong with the file.
+        try:
+            value = sysfs.read_text(self.device(address) / "driver_override")
+        except SysfsError:
+            return ""
+        return "" if value == "(null)" else value
+
+    def check_member(self, address: str) -> None:
+        if not self.device(address).exists():
+            raise self.gone(address, "before anything was written")
+        try:
+            group = os.path.basename(os.readlink(self.device(address) / "iommu_group"))
+        except OSError:
+            group = "none"
+        if group != str(self.group):
+            raise BindError(
+                "NotInGroup", f"{address} is in IOMMU group {group}, not {self.group}: rescan before binding"
+            )
+
+    def gone(self, address: str, when: str) -> BindError:
+        return BindError(
+            "DeviceGone",
+            f"{address} vanished (hot-unplugged, or it fell off the bus) {when}; "
+            f"check `lspci -s {address}` and the kernel log",
+        )
+
+    # --- Steps --------------------------------------------------------------------------
+
+    def write(self, relative: str, text: str, address: str, reason: str) -> None:
+        try:
+            sysfs.write_text(self.root / relative, text)
+        except SysfsWriteError as e:
+            if not self.device(address).exists():
+                raise self.gone(address, f"while {text.strip() or 'a blank'} was written to {relative}") from None
+            raise BindError(reason, f"the kernel refused it: {e}") from None
+        self.writes += 1
+
+    def unbind(self, address: str, driver: str, timeout: float, reason: str) -> None:
+        self.write(f"bus/pci/drivers/{driver}/unbind", address, address, reason)
+        if not _wait(lambda: self.driver(address) != driver, timeout):
+            hint = _USERS.get(driver, "stop what uses it or unload the driver").format(group=self.group)
+            raise BindError("UnbindRefused", f"driver {driver} did not release {address}: {hint}")
+        if self.driver(address) is None:
+            raise self.gone(address, f"when {driver} let go of it")
+
+    def to_vfio(self, before: _Before, timeout: float) -> None:
+        address = before.address
+        if before.override != VFIO_DRIVER:
+            self.write(f"bus/pci/devices/{address}/driver_override", VFIO_DRIVER, address, "BindFailed")
+        if before.driver:
+            self.unbind(address, before.driver, timeout, "UnbindRefused")
+        self.write("bus/pci/drivers_probe", address, address, "BindFailed")
+        _wait(lambda: self.driver(address) in (VFIO_DRIVER, None), timeout)
+        now = self.driver(address)
+        if now is None:
+            raise self.gone(address, "while being probed for vfio-pci")
+        if now != VFIO_DRIVER:
+            raise BindError(
+                "BindFailed",
+                f"vfio-pci did not take {address} (it is on {now or 'no driver'} after drivers_probe); "
+                "the kernel log says why",
+            )
+
+    def restore(self, before: _Before, timeout: float) -> None:
+        """Back to the driver and `driver_override` it had; a device that is gone needs nothing."""
+        address = before.address
+        now = self.driver(address)
+        if now is None:
+            return
+        if self.override(address) != before.override:
+            self.write(f"bus/pci/devices/{address}/driver_override", before.override or "\n", address, "BindFailed")
+        if now == before.driver:
+            return
+        if now:
+            self.unbind(address, now, timeout, "BindFailed")
+        if before.driver:
+            self.write(f"bus/pci/drivers/{before.driver}/bind", address, address, "BindFailed")
+            if not _wait(lambda: self.driver(address) == before.driver, timeout):
+                raise BindError("BindFailed", f"{address} did not go back to {before.driver}")
+
+    def rolled_back(self, error: BindError, changed: list[_Before], timeout: float) -> BindError:
+        if not self.writes:
+            return BindError(error.reason, f"{error}; nothing was changed")
+        left = []
+        for before in reversed(changed):
+            try:
+                self.restore(before, timeout)
+            except BindError as e:
+                now, was = self.driver(before.address) or "no driver", before.driver or "no driver"
+                left.append(f"{before.address} is left on {now}, not {was} ({e})")
+        if left:
+            return BindError(
+                error.reason,
+                f"{error}; rolling back failed too, so IOMMU group {self.group} is half-bound: "
+                + "; ".join(left),
+            )
+        return BindError(error.reason, f"{error}; rolled back, IOMMU group {self.group} is as it was")
+
+    def give_back(self, address: str, timeout: float, claim_wait: float) -> bool:
+        """One member off vfio-pci; False when there was nothing to do."""
+        now = self.driver(address)
+        override = self.override(address)
+        if now is None or (now != VFIO_DRIVER and override != VFIO_DRIVER):
+            return False
+        if override:
+            self.write(f"bus/pci/devices/{address}/driver_override", "\n", address, "GiveBackFailed")
+        if now == VFIO_DRIVER:
+            self.unbind(address, VFIO_DRIVER, timeout, "GiveBackFailed")
+        self.write("bus/pci/drivers_probe", address, address, "GiveBackFailed")
+        _wait(lambda: self.driver(address) != "", min(timeout, claim_wait))
+        if self.driver(address) == VFIO_DRIVER:
+            raise BindError(
+                "GiveBackFailed",
+                f"{address} went back to vfio-pci when re-probed: vfio-pci is its default driver here "
+                "(vfio-pci.ids= on the kernel command line, or in /etc/modprobe.d); remove that to give it back",
+            )
+        return True
+
+
+def _wait(done: Callable[[], bool], timeout: float) -> bool:
+    """Poll `done` until it holds or `timeout` s have passed; True if it held."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return True
