@@ -1,4 +1,4 @@
-"""The operator as its own process, started and stopped the way a cluster would."""
+"""The operator and the node agent as their own processes, started and stopped the way a cluster would."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from e2e.cluster import free_ports
+from e2e.cluster import _die_with_parent, free_ports
 
 
 class OperatorProcess:
@@ -53,3 +53,48 @@ class OperatorProcess:
 
     def output(self) -> str:
         return self.log_path.read_text()
+
+
+class AgentProcess:
+    """`passthrough agent` as its own process over a fixture host, the way a DaemonSet pod runs it.
+
+    With `kubelet` (an `e2e.kubelet.KubeletNode`), its device plugins register with that
+    kubelet and it asks that kubelet's PodResources API; without, both point into the
+    fixture tree, where no kubelet ever answers.
+    """
+
+    def __init__(self, cluster, log: Path, node_name: str, host, pci_ids: Path, *args: str, kubelet=None) -> None:
+        plugin_dir = kubelet.device_plugin_dir if kubelet else host.root / "device-plugins"
+        pod_resources = kubelet.pod_resources_socket if kubelet else host.root / "pod-resources.sock"
+        self.log_path = log
+        self.args = [
+            sys.executable, "-m", "passthrough", "agent", f"--node-name={node_name}",
+            f"--kubeconfig={cluster.kubeconfig}", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}",
+            f"--dev-root={host.root / 'dev'}", f"--pci-ids={pci_ids}", f"--device-plugin-dir={plugin_dir}",
+            f"--pod-resources-socket={pod_resources}", "--no-hotplug", *args,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> AgentProcess:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.alive():
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode if self.proc else None
+
+    def output(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""

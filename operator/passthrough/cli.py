@@ -67,6 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_host_roots(p)
     p.add_argument("--rescan-interval", default="5m", metavar="DURATION", help="periodic rescan (default 5m)")
     p.add_argument("--no-hotplug", dest="hotplug", action="store_false", help="do not listen for kernel hotplug events")
+    p.add_argument("--dev-root", default="/dev", metavar="DIR", help="where /dev/vfio is found (default /dev)")
+    p.add_argument(
+        "--device-plugin-dir",
+        default="/var/lib/kubelet/device-plugins",
+        metavar="DIR",
+        help="the kubelet's device-plugin directory (default /var/lib/kubelet/device-plugins)",
+    )
+    p.add_argument(
+        "--pod-resources-socket",
+        default="/var/lib/kubelet/pod-resources/kubelet.sock",
+        metavar="FILE",
+        help="the kubelet's PodResources API, asked before a device is given back",
+    )
+    p.add_argument(
+        "--no-pool-resources",
+        dest="pool_resources",
+        action="store_false",
+        help="leave GPU pools (nvidia.com/...) to NVIDIA's sandbox device plugin: serve only assigned devices",
+    )
+    p.add_argument(
+        "--no-device-plugin",
+        dest="device_plugin",
+        action="store_false",
+        help="only report devices: bind nothing to vfio-pci and serve no resources",
+    )
     _add_client_flags(p)
     p.set_defaults(func=_lazy("passthrough.agent.main", "run"))
 

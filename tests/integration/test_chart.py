@@ -104,7 +104,7 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
     objects = template(helm, "passthrough", "passthrough-system")
     assert sorted(o["kind"] for o in objects) == sorted(
         ["ServiceAccount", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
-         "Deployment", "DaemonSet", "PassthroughConfig"]
+         "Role", "RoleBinding", "Deployment", "DaemonSet", "PassthroughConfig"]
     )
     config = one(objects, "PassthroughConfig")
     assert config["metadata"]["name"] == "cluster"
@@ -129,11 +129,38 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
     agent = container(objects, "DaemonSet")
     assert agent["command"][:3] == ["passthrough", "agent", "--proc-root=/host/proc"]
     assert agent["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    assert agent["securityContext"]["privileged"] is True
-    mounts = {m["mountPath"]: (m["name"], m.get("readOnly", False)) for m in agent["volumeMounts"]}
+    # The bind needs uid 0 and a writable host /sys, and no capability and no privileged mode.
+    security = agent["securityContext"]
+    assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]} and security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert security["runAsUser"] == 0 and security["appArmorProfile"] == {"type": "Unconfined"}
+    assert agent_mounts(daemonset, agent) == {
+        "/host/sys": ("/sys", False),
+        "/host/proc": ("/proc", True),
+        "/usr/share": ("/usr/share", True),
+        "/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
+        "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", False),
+        "/host/dev/vfio": ("/dev/vfio", True),
+    }
+    assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev"} <= set(agent["command"])
+    assert "--no-pool-resources" not in agent["command"]
+
+
+def agent_mounts(daemonset: dict, agent: dict) -> dict:
+    """Container path -> (host path, read-only)."""
     host_paths = {v["name"]: v["hostPath"]["path"] for v in daemonset["volumes"]}
-    assert {path: (host_paths[name], ro) for path, (name, ro) in mounts.items()} == {
-        "/sys": ("/sys", False),
+    return {m["mountPath"]: (host_paths[m["name"]], m.get("readOnly", False)) for m in agent["volumeMounts"]}
+
+
+def test_pools_left_to_nvidias_plugin_and_a_reporting_only_agent(helm, tmp_path):
+    objects = template(helm, "p", "ns", values_file(tmp_path / "v.yaml", {"agent": {"devicePlugin": {"poolResources": False}}}))
+    assert "--no-pool-resources" in container(objects, "DaemonSet")["command"]
+    objects = template(helm, "p", "ns", values_file(tmp_path / "v.yaml", {"agent": {"devicePlugin": {"enabled": False}}}))
+    agent = container(objects, "DaemonSet")
+    assert "--no-device-plugin" in agent["command"] and "appArmorProfile" not in agent["securityContext"]
+    # Reporting only: nothing of the kubelet's, and the host's sysfs read-only.
+    assert agent_mounts(one(objects, "DaemonSet")["spec"]["template"]["spec"], agent) == {
+        "/host/sys": ("/sys", True),
         "/host/proc": ("/proc", True),
         "/usr/share": ("/usr/share", True),
     }
@@ -304,7 +331,8 @@ async def agent(api, release, node, tmp_path_factory):
     args = command_line(
         release["objects"], "DaemonSet",
         f"--kubeconfig={release['kubeconfig']['agent']}", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}",
-        f"--pci-ids={PCI_IDS}", "--no-hotplug",
+        f"--pci-ids={PCI_IDS}", "--no-hotplug", f"--dev-root={host.root / 'dev'}",
+        f"--device-plugin-dir={root / 'device-plugins'}", f"--pod-resources-socket={root / 'pod-resources.sock'}",
     )  # fmt: skip
     with log_path.open("ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})

@@ -1,8 +1,10 @@
 """The node agent: scan the node's PCI devices and keep one NodePCIDevice per device current.
 
-Scans run at start, every rescan interval, on SIGHUP, on kernel hotplug events and when an
-admin (re)assigns one of the node's devices. Each scan diffs against a watched mirror of the
-node's NodePCIDevices and applies only what changed.
+Scans run at start, every rescan interval, on SIGHUP, on kernel hotplug events, when an
+admin (re)assigns one of the node's devices and when the node enters or leaves GPU
+passthrough mode. Each scan diffs against a watched mirror of the node's NodePCIDevices and
+applies only what changed. With a `Handover`, a scan also binds what the plan asks for to
+vfio-pci, gives back what it no longer needs, and tells the device plugins what to serve.
 """
 
 from __future__ import annotations
@@ -14,16 +16,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubernetes_asyncio import client
+from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from passthrough.agent import plan as node_plan
 from passthrough.agent import report
+from passthrough.agent.handover import Handover, Outcome
 from passthrough.api.models import NODE_PCI_DEVICE
-from passthrough.k8s import AGENT_MANAGER, APPLY, NODE_LABEL, VFIO_LABEL, Custom, Mirror, CannotStart, require_crds
+from passthrough.k8s import (
+    AGENT_MANAGER,
+    APPLY,
+    NODE_LABEL,
+    VFIO_LABEL,
+    CannotStart,
+    Custom,
+    EventRecorder,
+    Mirror,
+    require_crds,
+)
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger(__name__)
+HELD_RECHECK = 5.0  # seconds between asking the kubelet whether a device to give back is still held
 
 
 class AgentError(RuntimeError):
@@ -48,6 +63,7 @@ class Agent:
         pci_ids: PciIds | None = None,
         rescan_interval: float = 300,
         concurrency: int = 8,
+        handover: Handover | None = None,
     ) -> None:
         if not node_name:
             raise AgentError("no node name: pass --node-name or set NODE_NAME (the agent reports the devices of one node)")
@@ -64,6 +80,11 @@ class Agent:
         self._logged: set[str] = set()
         self._assignments: dict[str, str] = {}
         self._node_labels: dict[str, str] = {}
+        self.handover = handover
+        self.events = EventRecorder(api, "passthrough-agent")
+        self._bind_failures: dict[str, str] = {}  # address -> message of the last failure reported
+        self._retry = 0  # consecutive scans whose bind or give-back failed
+        self._again: asyncio.TimerHandle | None = None  # the next scan that handover work asks for
         self.scans = 0
         self.writes = 0
 
@@ -83,7 +104,12 @@ class Agent:
         await self.preflight()
         if self.pci_ids.problem:
             log.warning("%s", self.pci_ids.problem)
-        mirror = asyncio.create_task(self.mirror.run(), name=f"mirror-{self.node_name}")
+        background = [
+            asyncio.create_task(self.mirror.run(), name=f"mirror-{self.node_name}"),
+            asyncio.create_task(self._watch_node(), name=f"node-{self.node_name}"),
+        ]
+        if self.handover is not None:
+            background.append(asyncio.create_task(self.handover.run(), name=f"plugins-{self.node_name}"))
         try:
             await self.mirror.synced.wait()
             while True:
@@ -99,9 +125,14 @@ class Agent:
                     asyncio.get_running_loop().call_later(5, self._wake.set)
                 await self._wait_for_reason()
         finally:
-            mirror.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await mirror
+            for task in background:
+                task.cancel()
+            for task in background:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if self.handover is not None:
+                await self.handover.close()
+            await self.events.drain()
 
     async def _wait_for_reason(self) -> None:
         """Sleep until the interval passes, someone triggers, or an assignment changes."""
@@ -119,6 +150,27 @@ class Agent:
                 self.mirror.changed.clear()
                 if self._relevant_change():
                     return
+
+    async def _watch_node(self) -> None:
+        """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets)."""
+        backoff = 1.0
+        while True:
+            try:
+                async with watch.Watch().stream(
+                    self.core.list_node, field_selector=f"metadata.name={self.node_name}", timeout_seconds=300
+                ) as stream:
+                    async for event in stream:
+                        labels = (event["raw_object"].get("metadata") or {}).get("labels") or {}
+                        if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
+                            self._node_labels = labels
+                            self.trigger()
+                backoff = 1.0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a dropped connection: the next watch starts over
+                log.debug("watch of Node %s ended (%s); again in %.0fs", self.node_name, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30)
 
     def _relevant_change(self) -> bool:
         """Our own status writes come back through the watch too; only assignments and deletions matter."""
@@ -143,6 +195,9 @@ class Agent:
         self._assignments = {
             name: (obj.get("spec") or {}).get("assignedNamespace", "") for name, obj in self.mirror.objects.items()
         }
+        outcome = Outcome()
+        if self.handover is not None:
+            discovery, outcome = await self._hand_over(discovery)
         found: set[str] = set()
         jobs = []
         for device in discovery.devices:
@@ -150,11 +205,12 @@ class Agent:
                 continue
             name = report.object_name(device, self.node_name)
             found.add(name)
-            jobs.append(self._report_present(name, device, node, result))
+            jobs.append(self._report_present(name, device, node, result, outcome.failures.get(device.address)))
         for name, live in list(self.mirror.objects.items()):
             if name not in found and not live["metadata"].get("deletionTimestamp"):
                 jobs.append(self._report_missing(name, live, result))
         await asyncio.gather(*jobs)
+        self._tell(outcome)  # after the reports, so a device seen for the first time has its object
         result.devices = len(found)
         self.writes += result.writes
         if result.writes:
@@ -163,10 +219,71 @@ class Agent:
             )
         return result
 
-    async def _report_present(self, name: str, device, node: report.Node, result: ScanResult) -> None:
+    async def _hand_over(self, discovery: Discovery) -> tuple[Discovery, Outcome]:
+        """Bind and give back as the plan says, then serve what is bound; returns the scan after."""
+        assert self.handover is not None
+        names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
+        in_gpu_mode = node_plan.gpu_mode(self._node_labels)
+        serve_pools = self.handover.serve_pools
+        wanted = node_plan.plan(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools)
+        outcome = await self.handover.carry_out(wanted)
+        if outcome.writes:
+            # Drivers moved: report what the kernel says now, not what it said before.
+            discovery = await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids)
+        served = node_plan.resources(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools, outcome.failures)
+        await self.handover.serve(served)
+        if self._again is not None:
+            self._again.cancel()
+            self._again = None
+        if outcome.failures or outcome.release_failures:
+            # A refusing driver, vfio-pci not loaded: try again, backing off to the rescan interval.
+            delay = min(5 * 2**self._retry, self.rescan_interval)
+            self._retry += 1
+            self._again = asyncio.get_running_loop().call_later(delay, self._wake.set)
+        else:
+            self._retry = 0
+            if outcome.held:
+                # Given back once the pod that holds it is gone; the kubelet tells no one, so ask again.
+                self._again = asyncio.get_running_loop().call_later(HELD_RECHECK, self._wake.set)
+        return discovery, outcome
+
+    def _tell(self, outcome: Outcome) -> None:
+        """Log and post an Event for every move and every new failure; repeats stay quiet."""
+        for group, members in outcome.bound.items():
+            log.info("bound IOMMU group %d (%s) to vfio-pci", group, ", ".join(members))
+            for address in members:
+                self._event(address, "Normal", "BoundToVfio",
+                            f"{address} (IOMMU group {group}) is bound to vfio-pci, ready for a VM")
+        for group, members in outcome.released.items():
+            log.info("gave IOMMU group %d (%s) back to its drivers", group, ", ".join(members))
+            for address in members:
+                self._event(address, "Normal", "GivenBack",
+                            f"{address} (IOMMU group {group}) left passthrough and is back with its default driver")
+        for address, exc in {**outcome.release_failures, **outcome.failures}.items():
+            message = str(exc)
+            if self._bind_failures.get(address) != message:
+                self._bind_failures[address] = message
+                log.warning("%s: %s", address, message)
+                self._event(address, "Warning", getattr(exc, "reason", "BindFailed"), message)
+        for address in list(self._bind_failures):
+            if address not in outcome.failures and address not in outcome.release_failures:
+                del self._bind_failures[address]
+
+    def _event(self, address: str, type_: str, reason: str, message: str) -> None:
+        name = next((n for n, o in self.mirror.objects.items()
+                     if o.get("status", {}).get("attributes", {}).get("pciAddress") == address), None)
+        live = self.mirror.objects.get(name or "")
+        if live is None:
+            return
+        involved = {"apiVersion": live["apiVersion"], "kind": live["kind"], "name": name, "uid": live["metadata"]["uid"]}
+        self.events.post(involved, type_, reason, message)
+
+    async def _report_present(
+        self, name: str, device, node: report.Node, result: ScanResult, failure: Exception | None = None
+    ) -> None:
         live = self.mirror.objects.get(name)
         assigned = ((live or {}).get("spec") or {}).get("assignedNamespace", "")
-        desired = report.present_status(device, name, self.node_name, assigned)
+        desired = report.present_status(device, name, self.node_name, assigned, failure)
         if not device.eligible:
             self._log_once(f"{name}:{device.reason}", "%s (%s) is not eligible: %s", device.address, name, device.reason)
         try:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from passthrough.agent import uevent
+from passthrough.agent.handover import Handover
 from passthrough.agent.loop import Agent, AgentError
 from passthrough.durations import DurationError, parse_duration
 from passthrough.k8s import CannotStart, connect
@@ -23,6 +24,15 @@ log = logging.getLogger("passthrough.agent")
 async def _main(args: argparse.Namespace, rescan: float) -> int:
     api = await connect(args.kubeconfig)
     try:
+        handover = None
+        if args.device_plugin:
+            handover = Handover(
+                sysfs_root=Path(args.sysfs_root),
+                dev_root=Path(args.dev_root),
+                plugin_dir=Path(args.device_plugin_dir),
+                pod_resources_socket=Path(args.pod_resources_socket),
+                serve_pools=args.pool_resources,
+            )
         agent = Agent(
             api,
             node_name=args.node_name,
@@ -30,6 +40,7 @@ async def _main(args: argparse.Namespace, rescan: float) -> int:
             proc_root=Path(args.proc_root),
             pci_ids=PciIds.load(args.pci_ids),
             rescan_interval=rescan,
+            handover=handover,
         )
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, agent.trigger)

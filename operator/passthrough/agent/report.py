@@ -76,21 +76,26 @@ def attributes(device: Device, node: str) -> dict[str, Any]:
     ).model_dump(by_alias=True)
 
 
-def ready_condition(device: Device) -> tuple[str, str, str]:
-    if device.eligible:
-        return "True", "Ready", "The device can be passed through."
-    return "False", "NotReady", device.reason
+def ready_condition(device: Device, failure: Exception | None = None) -> tuple[str, str, str]:
+    """`failure`: why the device's IOMMU group could not be bound to vfio-pci (a `BindError`)."""
+    if not device.eligible:
+        return "False", "NotReady", device.reason
+    if failure is not None:
+        return "False", getattr(failure, "reason", "BindFailed"), f"{failure}; the agent tries again at its next scan."
+    return "True", "Ready", "The device can be passed through."
 
 
-def present_status(device: Device, name: str, node: str, assigned_namespace: str) -> dict[str, Any]:
+def present_status(
+    device: Device, name: str, node: str, assigned_namespace: str, failure: Exception | None = None
+) -> dict[str, Any]:
     """The agent's part of the status of a device it found."""
     resource, mode = resource_and_mode(device, name, assigned_namespace)
-    status, reason, message = ready_condition(device)
+    status, reason, message = ready_condition(device, failure)
     return {
         "attributes": attributes(device, node),
         "resourceName": resource,
         "mode": mode,
-        "eligible": device.eligible,
+        "eligible": device.eligible and failure is None,
         "conditions": [{"type": READY, "status": status, "reason": reason, "message": message}],
     }
 

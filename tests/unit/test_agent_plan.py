@@ -1,0 +1,112 @@
+"""Which groups a node binds to vfio-pci, which it gives back, and what its plugins serve."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from e2e import fakesysfs
+from passthrough.agent import plan
+from passthrough.agent.report import object_name
+from passthrough.pci.discovery import discover
+from passthrough.pci.pciids import PciIds
+
+NODE = "gpu-1"
+A10 = "nvidia.com/GA102GL_A10"
+
+
+@pytest.fixture(scope="module")
+def pci_ids():
+    return PciIds.load(Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11")
+
+
+@pytest.fixture
+def gpu_node(tmp_path, pci_ids):
+    host = fakesysfs.gpu_node(tmp_path)
+    devices = discover(host.sysfs, host.proc, pci_ids).devices
+    names = {d.address: object_name(d, NODE) for d in devices if d.reported}
+    return devices, names
+
+
+def on_vfio(devices, *addresses):
+    return [dataclasses.replace(d, driver="vfio-pci", driver_override="vfio-pci") if d.address in addresses else d
+            for d in devices]
+
+
+def test_gpu_mode_honours_our_label_and_the_gpu_operators():
+    assert plan.gpu_mode({"passthrough.io/gpu-passthrough": "true"})
+    assert plan.gpu_mode({"nvidia.com/gpu.workload.config": "vm-passthrough"})
+    assert not plan.gpu_mode({"nvidia.com/gpu.workload.config": "container"})
+    assert not plan.gpu_mode({"passthrough.io/gpu-passthrough": "false"})
+    assert not plan.gpu_mode(None)
+
+
+def test_gpus_of_a_node_in_gpu_mode_go_to_vfio_with_their_whole_group(gpu_node):
+    devices, names = gpu_node
+    wanted = plan.plan(devices, {}, names, in_gpu_mode=True)
+    # The audio functions share the GPUs' groups and go with them; the root ports (bridges) do not.
+    assert wanted.bind == {20: ("0000:3b:00.0", "0000:3b:00.1"), 21: ("0000:af:00.0", "0000:af:00.1")}
+    assert wanted.release == {}
+    assert wanted.wanted == {"0000:3b:00.0", "0000:af:00.0"}
+
+
+def test_a_node_outside_gpu_mode_binds_only_assigned_devices(gpu_node):
+    devices, names = gpu_node
+    assert plan.plan(devices, {}, names, in_gpu_mode=False).bind == {}
+    audio = names["0000:af:00.1"]
+    wanted = plan.plan(devices, {audio: "team-a"}, names, in_gpu_mode=False)
+    assert wanted.bind == {21: ("0000:af:00.0", "0000:af:00.1")}
+
+
+def test_pools_left_to_nvidias_plugin_bind_and_serve_only_assigned_devices(gpu_node):
+    devices, names = gpu_node
+    assert plan.plan(devices, {}, names, in_gpu_mode=True, serve_pools=False).bind == {}
+    bound = on_vfio(devices, "0000:3b:00.0", "0000:3b:00.1")
+    gpu = names["0000:3b:00.0"]
+    served = plan.resources(bound, {gpu: "team-a"}, names, in_gpu_mode=True, serve_pools=False)
+    assert list(served) == [f"passthrough.io/{gpu}"]
+
+
+def test_a_group_no_one_wants_goes_back_only_when_the_agent_bound_it(gpu_node):
+    devices, names = gpu_node
+    ours = on_vfio(devices, "0000:3b:00.0", "0000:3b:00.1")
+    assert plan.plan(ours, {}, names, in_gpu_mode=False).release == {20: ("0000:3b:00.0", "0000:3b:00.1")}
+    # Bound by the admin (vfio-pci.ids= on the kernel command line): no driver_override, left alone.
+    static = [dataclasses.replace(d, driver="vfio-pci", driver_override="") if d.iommu_group == 20 else d for d in devices]
+    assert plan.plan(static, {}, names, in_gpu_mode=False).release == {}
+
+
+def test_ineligible_devices_are_never_bound_even_when_assigned(gpu_node):
+    devices, names = gpu_node
+    busy = [dataclasses.replace(d, eligible=False, reason="in use") if d.address == "0000:3b:00.0" else d for d in devices]
+    assert plan.plan(busy, {names["0000:3b:00.0"]: "team-a"}, names, in_gpu_mode=False).bind == {}
+
+
+def test_an_assigned_gpu_leaves_its_pool_for_its_own_resource(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
+    served = plan.resources(bound, {}, names, in_gpu_mode=True)
+    assert [s.address for s in served[A10]] == ["0000:3b:00.0", "0000:af:00.0"]
+    gpu = names["0000:af:00.0"]
+    served = plan.resources(bound, {gpu: "team-a"}, names, in_gpu_mode=True)
+    assert [s.address for s in served[A10]] == ["0000:3b:00.0"]
+    assert served[f"passthrough.io/{gpu}"] == (plan.Served("0000:af:00.0", 21, 1),)
+    # Audio functions are bound with their group but served only when assigned themselves.
+    assert set(served) == {A10, f"passthrough.io/{gpu}"}
+
+
+def test_a_pool_stays_served_empty_when_every_gpu_is_assigned(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
+    everything = {names["0000:3b:00.0"]: "team-a", names["0000:af:00.0"]: "team-b"}
+    assert plan.resources(bound, everything, names, in_gpu_mode=True)[A10] == ()
+
+
+def test_devices_not_on_vfio_or_whose_bind_failed_are_served_by_nobody(gpu_node):
+    devices, names = gpu_node
+    assert plan.resources(devices, {}, names, in_gpu_mode=True) == {A10: ()}
+    bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
+    served = plan.resources(bound, {}, names, in_gpu_mode=True, failed=["0000:3b:00.0"])
+    assert [s.address for s in served[A10]] == ["0000:af:00.0"]
