@@ -3,9 +3,11 @@
 None of them has a current Debian or PyPI package, so they are built from source through
 the Go module proxy, from the wrapper modules under `e2e/controlplane/` that pin the
 releases (helm is built beside the control plane: the chart's tests render the chart with
-it). The binaries are cached outside the work tree, keyed by everything that goes into
-them; a cache entry is complete only once its manifest is written, so an interrupted or
-stale build is detected and done again.
+it). The Kubernetes module also gives the kubelet, kube-scheduler and `fakeruntime`, a CRI
+runtime stand-in of our own (`e2e/controlplane/kubernetes/fakeruntime/`), for the tests
+that run a real node (`e2e/kubelet.py`). The binaries are cached outside the work tree,
+keyed by everything that goes into them; a cache entry is complete only once its manifest
+is written, so an interrupted or stale build is detected and done again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODULES = HERE / "controlplane"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kubectl",
+    "kubelet",
+    "kube-scheduler",
+    "fakeruntime",
+    "helm",
+)
 
 
 class BuildError(RuntimeError):
@@ -80,6 +91,10 @@ def targets() -> list[Target]:
                 "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
                 "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
                 "kubectl": "k8s.io/kubernetes/cmd/kubectl",
+                "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+                "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
+                # Ours, in the wrapper module so it uses the same pinned cri-api and cri-client.
+                "fakeruntime": "passthrough.io/e2e/controlplane/kubernetes/fakeruntime",
             },
             # What hack/lib/version.sh stamps into a release build, so /version and
             # kubectl's skew check see the real release.
@@ -127,11 +142,15 @@ def _go_version() -> str:
 
 
 def cache_key() -> str:
-    """Everything that goes into the binaries: the wrapper modules, the Go release, the flags."""
+    """Everything that goes into the binaries: the wrapper modules and our Go sources in them,
+    the packages built, the Go release, the flags."""
     digest = hashlib.sha256(_go_version().encode())
     for target in targets():
-        for name in ("go.mod", "go.sum"):
-            digest.update((target.module / name).read_bytes())
+        sources = sorted(target.module.rglob("*.go"))
+        for path in [target.module / "go.mod", target.module / "go.sum", *sources]:
+            digest.update(str(path.relative_to(target.module)).encode() + b"\0")
+            digest.update(path.read_bytes())
+        digest.update(json.dumps(target.packages, sort_keys=True).encode())
         digest.update(target.ldflags.encode())
     return digest.hexdigest()[:12]
 

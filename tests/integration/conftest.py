@@ -46,3 +46,73 @@ def operator(cluster, tmp_path_factory):
     yield proc
     proc.stop()
     assert "Traceback" not in proc.output(), proc.output()[-5000:]
+
+
+# -- the real kubelet and kube-scheduler (e2e/kubelet.py) ----------------------------------
+
+
+def _kubelet_or_skip(request, cluster) -> None:
+    """Skip, with one line saying why, where the real kubelet cannot run here."""
+    from e2e import kubelet
+
+    reason = kubelet.why_unavailable(cluster)
+    if reason is None:
+        return
+    if not getattr(request.config, "_kubelet_skip_reported", False):
+        request.config._kubelet_skip_reported = True
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is not None:
+            with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+                reporter.ensure_newline()
+                reporter.write_line(f"SKIPPING every real-kubelet test: {reason}", yellow=True, bold=True)
+    pytest.skip(f"real kubelet cannot run here: {reason}")
+
+
+class KubeletNodes:
+    """Starts KubeletNodes on request (`nodes()` or `nodes("name", labels={...})`), stops them all after."""
+
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.started = []
+
+    def __call__(self, node_name=None, **kwargs):
+        from e2e.kubelet import KubeletNode
+
+        node = KubeletNode(self.cluster, node_name, **kwargs)
+        self.started.append(node)
+        return node.start()
+
+    def stop_all(self) -> None:
+        for node in reversed(self.started):
+            node.stop()
+        self.started.clear()
+
+
+@pytest.fixture(scope="session")
+def kube_scheduler(request, cluster):
+    """The real kube-scheduler for the whole session (pods without nodeName get placed)."""
+    from e2e.kubelet import Scheduler
+
+    _kubelet_or_skip(request, cluster)
+    scheduler = Scheduler(cluster).start()
+    yield scheduler
+    scheduler.stop()
+
+
+@pytest.fixture
+def kubelet_nodes(request, cluster):
+    """A factory of real-kubelet nodes, each stopped (Node and its pods deleted) after the test."""
+    _kubelet_or_skip(request, cluster)
+    nodes = KubeletNodes(cluster)
+    yield nodes
+    nodes.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_kubelet_nodes(request, cluster):
+    """The same factory, its nodes shared by the tests of a module."""
+    _kubelet_or_skip(request, cluster)
+    nodes = KubeletNodes(cluster)
+    yield nodes
+    nodes.stop_all()
