@@ -4,8 +4,13 @@ The real control plane (etcd, kube-apiserver, kube-controller-manager) on loopba
 and KubeVirt's, a KubeVirt CR and the `cluster` PassthroughConfig with the default values,
 the operator, and one agent per simulated node over a fixture sysfs tree:
 
-- gpu-node-1: two NVIDIA A10s, each with its audio function in the same IOMMU group;
+- gpu-node-1: two NVIDIA A10s, each with its audio function in the same IOMMU group, in GPU
+  passthrough mode; as root it runs a real kubelet (and the cluster a real kube-scheduler),
+  so the agent's device plugins register and pods receive their devices;
 - storage-node-1: an NVMe drive, a NIC that is up (not assignable) and a free NIC.
+
+Each node's tree has a simulated kernel (`e2e.fakekernel`) that reacts to the vfio-pci bind
+sequence as the real one does.
 
 Everything runs in the foreground; Ctrl-C stops it all and leaves no process behind.
 """
@@ -21,12 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-from e2e import build, fakesysfs
+from e2e import build, fakesysfs, kubelet
 from e2e.cluster import REPO, LocalCluster, _die_with_parent, prepare
 
 WORKDIR = Path(os.environ.get("PASSTHROUGH_DEVCLUSTER_DIR") or REPO / ".devcluster")
 PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
-NODES = {"gpu-node-1": fakesysfs.gpu_node, "storage-node-1": fakesysfs.storage_node}
+GPU_NODE = "gpu-node-1"
+GPU_MODE_LABEL = "passthrough.io/gpu-passthrough"
+NODES = {GPU_NODE: fakesysfs.gpu_node, "storage-node-1": fakesysfs.storage_node}
 EXPECTED_DEVICES = 7  # 2 GPUs + 2 audio functions, 2 NICs + 1 NVMe drive
 
 KUBEVIRT = {
@@ -44,9 +51,13 @@ CONFIG = {
 
 
 def _spawn(name: str, args: list[str], logs: Path) -> subprocess.Popen:
+    return _spawn_module(name, ["passthrough", *args], logs)
+
+
+def _spawn_module(name: str, args: list[str], logs: Path) -> subprocess.Popen:
     log = (logs / f"{name}.log").open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "passthrough", *args], stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, cwd=REPO
     )
 
 
@@ -61,6 +72,7 @@ def main() -> int:
     (WORKDIR / "logs").mkdir(parents=True)
     cluster = LocalCluster(workdir=WORKDIR, bin_dir=build.ensure_binaries())
     children: dict[str, subprocess.Popen] = {}
+    services: list = []  # the kube-scheduler and the GPU node's kubelet, when they run
     stopping = False
 
     def stop(*_: object) -> None:
@@ -78,15 +90,33 @@ def main() -> int:
 
         logs = WORKDIR / "logs"
         children["operator"] = _spawn("operator", ["operator", f"--kubeconfig={cluster.kubeconfig}"], logs)
+        no_kubelet = kubelet.why_unavailable(cluster)
+        if no_kubelet:
+            _say(f"left the kubelet out: {no_kubelet}; the GPU node is a Node object only")
+        else:
+            services.append(kubelet.Scheduler(cluster, log_dir=logs).start())
         for node, make in NODES.items():
             host = make(WORKDIR / "nodes" / node)
-            cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}))
+            # The node's simulated kernel: the agent's vfio-pci binds move the tree's driver links.
+            children[f"kernel-{node}"] = _spawn_module(f"kernel-{node}", ["e2e.fakekernel", str(host.root)], logs)
+            plugin_dir, pod_resources = host.root / "device-plugins", host.root / "pod-resources.sock"
+            if node == GPU_NODE and not no_kubelet:
+                # A real kubelet: the agent's device plugins register with it, pods get the devices.
+                node_kubelet = kubelet.KubeletNode(cluster, node, labels={GPU_MODE_LABEL: "true"})
+                services.append(node_kubelet)
+                node_kubelet.start()
+                plugin_dir, pod_resources = node_kubelet.device_plugin_dir, node_kubelet.pod_resources_socket
+            else:
+                labels = {GPU_MODE_LABEL: "true"} if node == GPU_NODE else {}
+                cluster.kubectl("apply", "-f", "-", input=json.dumps(
+                    {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}))  # fmt: skip
             children[f"agent-{node}"] = _spawn(
                 f"agent-{node}",
                 ["agent", f"--node-name={node}", f"--kubeconfig={cluster.kubeconfig}", f"--sysfs-root={host.sysfs}",
-                 f"--proc-root={host.proc}", f"--pci-ids={PCI_IDS}", "--no-hotplug"],
+                 f"--proc-root={host.proc}", f"--dev-root={host.dev}", f"--pci-ids={PCI_IDS}", "--no-hotplug",
+                 f"--device-plugin-dir={plugin_dir}", f"--pod-resources-socket={pod_resources}"],
                 logs,
-            )
+            )  # fmt: skip
 
         deadline = time.monotonic() + 60
         while len(cluster.kubectl("get", "npci", "-o", "name").stdout.split()) < EXPECTED_DEVICES:
@@ -114,6 +144,9 @@ def main() -> int:
         _say("  kubectl create namespace team-a")
         _say(f"  kubectl patch npci {gpu} --type=merge -p '{{\"spec\":{{\"assignedNamespace\":\"team-a\"}}}}'")
         _say("  kubectl get pci -n team-a")
+        if not no_kubelet:
+            _say(f"  kubectl get node {GPU_NODE} -o jsonpath='{{.status.allocatable}}'   # the pool, then passthrough.io/<name>")
+            _say("  # a pod asking for passthrough.io/<name> gets PCI_RESOURCE_PASSTHROUGH_IO_<NAME>=<address>: see README")
         _say("  kubectl get passthroughconfig cluster -o yaml        # what was applied to KubeVirt, and mismatches")
         _say("  kubectl get kubevirt -n kubevirt kubevirt -o yaml     # permittedHostDevices and feature gates")
         _say(f"Logs: {logs}/   Ctrl-C stops everything.")
@@ -140,6 +173,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for service in reversed(services):
+            service.stop()
         cluster.stop()
         _say("stopped")
 

@@ -275,7 +275,7 @@ class Agent:
         live = self.mirror.objects.get(name or "")
         if live is None:
             return
-        involved = {"apiVersion": live["apiVersion"], "kind": live["kind"], "name": name, "uid": live["metadata"]["uid"]}
+        involved = {"api_version": live["apiVersion"], "kind": live["kind"], "name": name, "uid": live["metadata"]["uid"]}
         self.events.post(involved, type_, reason, message)
 
     async def _report_present(

@@ -1,0 +1,236 @@
+"""A VM's pod gets its device: the agent binds to vfio-pci and serves the real kubelet.
+
+One real kubelet (with the fake CRI runtime, in a private mount namespace) and the real
+kube-scheduler; the agent runs as its own process over a fixture GPU node whose simulated
+kernel (`e2e.fakekernel`) moves `driver` links and creates `/dev/vfio/<group>` as the bind
+sequence is written. What the kubelet hands a container is read from the runtime's record of
+CreateContainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+from kubernetes_asyncio import client
+
+from e2e import fakesysfs, support
+from e2e.fakekernel import FakeKernel
+from e2e.processes import AgentProcess
+from passthrough.k8s import NODE_LABEL, Custom
+from passthrough.pci.naming import exclusive_resource_name, resource_env_name
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[2]
+PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
+POOL = "nvidia.com/GA102GL_A10"
+GPU_MODE = "passthrough.io/gpu-passthrough"
+GPUS = ("0000:3b:00.0", "0000:af:00.0")
+GROUPS = {"0000:3b:00.0": 20, "0000:3b:00.1": 20, "0000:af:00.0": 21, "0000:af:00.1": 21}
+
+
+@pytest.fixture(scope="module")
+def gpu_host(tmp_path_factory):
+    host = fakesysfs.gpu_node(tmp_path_factory.mktemp("gpu-host"))
+    with FakeKernel(host) as kernel:
+        yield host, kernel
+
+
+@pytest.fixture(scope="module")
+def kubelet(module_kubelet_nodes, kube_scheduler):
+    return module_kubelet_nodes()
+
+
+@pytest.fixture(scope="module")
+def agent(cluster, kubelet, gpu_host, tmp_path_factory):
+    host, _ = gpu_host
+    proc = AgentProcess(cluster, tmp_path_factory.mktemp("agent") / "agent.log", kubelet.node_name, host, PCI_IDS,
+                        kubelet=kubelet).start()  # fmt: skip
+    yield proc
+    code = proc.stop()
+    output = proc.output()
+    assert code == 0 and "Traceback" not in output, output[-5000:]
+    # Ours removed on exit; the kubelet's own socket stays.
+    assert sorted(p.name for p in kubelet.device_plugin_dir.glob("passthrough-*")) == []
+
+
+@pytest.fixture
+def core(api):
+    return client.CoreV1Api(api)
+
+
+async def label(core, node: str, value: str | None) -> None:
+    await core.patch_node(node, {"metadata": {"labels": {GPU_MODE: value}}})
+
+
+async def resources(core, node: str, field: str = "allocatable") -> dict[str, str]:
+    status = (await core.read_node(node)).status
+    return {k: v for k, v in (getattr(status, field) or {}).items() if "/" in k}
+
+
+async def wait_resources(core, node: str, expected: dict[str, str], agent: AgentProcess, field: str = "allocatable",
+                         timeout: float = 30) -> None:  # fmt: skip
+    async def matches():
+        got = await resources(core, node, field)
+        return all(got.get(k, "0") == v for k, v in expected.items())
+
+    with_log = f"{field} {expected} on {node}; agent log:\n{agent.output()[-3000:]}"
+    await support.wait_for(matches, timeout, interval=0.2, what=with_log)
+
+
+async def device_names(api, node: str) -> dict[str, str]:
+    items = (await Custom(api, "nodepcidevices").list(f"{NODE_LABEL}={node}"))["items"]
+    return {o["status"]["attributes"]["pciAddress"]: o["metadata"]["name"] for o in items if o.get("status")}
+
+
+def driver(host, address: str) -> str:
+    link = host.device_dir(address) / "driver"
+    return os.path.basename(os.readlink(link)) if link.is_symlink() else ""
+
+
+def pod(name: str, resource: str, env: str = "") -> client.V1Pod:
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1PodSpec(
+            automount_service_account_token=False,
+            termination_grace_period_seconds=0,
+            containers=[client.V1Container(
+                name="compute", image="virt-launcher:test",
+                env=[client.V1EnvVar(name="MARK", value=env or name)],
+                resources=client.V1ResourceRequirements(limits={resource: "1"}),
+            )],  # fmt: skip
+        ),
+    )
+
+
+async def created(core, namespace: str, kubelet, pod_name: str, timeout: float = 30) -> dict:
+    async def find():
+        return next((c for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == pod_name), None)
+
+    try:
+        return await support.wait_for(find, timeout, interval=0.2, what=f"CreateContainer of {pod_name}")
+    except AssertionError as exc:
+        status = (await core.read_namespaced_pod(pod_name, namespace)).status
+        events = await core.list_namespaced_event(namespace)
+        said = "\n".join(f"{e.reason}: {e.message}" for e in events.items)
+        raise AssertionError(f"{exc}\npod status: {status}\nevents:\n{said}\nkubelet log:\n{kubelet.kubelet_log.read_text()[-4000:]}") from None
+
+
+async def delete_pod(core, namespace: str, name: str) -> None:
+    with contextlib.suppress(client.exceptions.ApiException):
+        await core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+
+    async def gone():
+        try:
+            await core.read_namespaced_pod(name, namespace)
+        except client.exceptions.ApiException as exc:
+            return exc.status == 404
+        return False
+
+    await support.wait_for(gone, 60, what=f"pod {namespace}/{name} deleted")
+
+
+async def test_a_node_in_gpu_mode_binds_its_gpus_and_advertises_the_pool(api, core, kubelet, agent, gpu_host):
+    host, _ = gpu_host
+    await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
+    # Not in GPU mode: nothing is bound, nothing is advertised.
+    assert {a: driver(host, a) for a in GPUS} == {a: "nvidia" for a in GPUS}
+    await label(core, kubelet.node_name, "true")
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent, field="capacity")
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
+    # The whole IOMMU group went to vfio-pci, audio functions included, and /dev/vfio has both groups.
+    assert {a: driver(host, a) for a in GROUPS} == {a: "vfio-pci" for a in GROUPS}
+    assert sorted(p.name for p in (host.root / "dev" / "vfio").iterdir()) == ["20", "21", "vfio"]
+
+
+async def test_an_assigned_gpu_leaves_the_pool_and_a_pod_receives_its_address(api, core, kubelet, agent, namespace):
+    names = await device_names(api, kubelet.node_name)
+    gpu = names["0000:af:00.0"]
+    resource = exclusive_resource_name(gpu)
+    await support.assign(api, gpu, namespace)
+    await wait_resources(core, kubelet.node_name, {resource: "1", POOL: "1"}, agent)
+
+    # Placed by the real scheduler (no nodeName), admitted and allocated by the real kubelet.
+    await core.create_namespaced_pod(namespace, pod("vm-launcher", resource))
+    container = await created(core, namespace, kubelet, "vm-launcher")
+    assert container["envs"][resource_env_name(resource)] == "0000:af:00.0"
+    assert resource_env_name(resource) == f"PCI_RESOURCE_PASSTHROUGH_IO_{gpu.upper()}"  # the hyphen is kept
+    devices = {(d["container_path"], d["host_path"], d["permissions"]) for d in container["devices"]}
+    assert devices == {("/dev/vfio/vfio", "/dev/vfio/vfio", "rw"), ("/dev/vfio/21", "/dev/vfio/21", "rw")}
+    placed = await core.read_namespaced_pod("vm-launcher", namespace)
+    assert placed.spec.node_name == kubelet.node_name
+
+    # A second pod asking for the same device does not fit: it has one.
+    await core.create_namespaced_pod(namespace, pod("second", resource))
+    await asyncio.sleep(3)
+    assert not any(c["envs"].get("MARK") == "second" for c in kubelet.created_containers())
+    await delete_pod(core, namespace, "second")
+    await delete_pod(core, namespace, "vm-launcher")
+    await support.assign(api, gpu, "")
+    await wait_resources(core, kubelet.node_name, {resource: "0", POOL: "2"}, agent)
+
+
+async def test_a_pool_pod_gets_one_gpu_and_its_group_devices(core, kubelet, agent, namespace):
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
+    await core.create_namespaced_pod(namespace, pod("pool-user", POOL))
+    container = await created(core, namespace, kubelet, "pool-user")
+    [address] = container["envs"][resource_env_name(POOL)].split(",")
+    assert address in GPUS  # never the audio function: KubeVirt hands addresses out by position
+    group = GROUPS[address]
+    assert {d["host_path"] for d in container["devices"]} == {"/dev/vfio/vfio", f"/dev/vfio/{group}"}
+    await delete_pod(core, namespace, "pool-user")
+
+
+async def test_a_device_whose_vfio_node_vanishes_leaves_allocatable(core, kubelet, agent, gpu_host):
+    host, _ = gpu_host
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
+    node = host.root / "dev" / "vfio" / "20"
+    node.unlink()
+    try:
+        await wait_resources(core, kubelet.node_name, {POOL: "1"}, agent)
+        assert (await resources(core, kubelet.node_name, "capacity"))[POOL] == "2"
+    finally:
+        node.write_text("")
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
+
+
+async def test_a_restarted_kubelet_gets_every_resource_back_without_restarting_the_agent(
+    core, kubelet, agent, namespace
+):
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
+    # At start the kubelet deletes every socket in its device-plugin directory.
+    await asyncio.to_thread(kubelet.restart_kubelet)
+    assert agent.alive()
+    # Registered again: a new pod is allocated through the re-created socket.
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent, timeout=60)
+    await core.create_namespaced_pod(namespace, pod("after-restart", POOL))
+    container = await created(core, namespace, kubelet, "after-restart", timeout=60)
+    assert container["envs"][resource_env_name(POOL)] in GPUS
+    await delete_pod(core, namespace, "after-restart")
+
+
+async def test_leaving_gpu_mode_gives_back_what_no_pod_holds_and_the_rest_when_its_pod_ends(
+    api, core, kubelet, agent, gpu_host, namespace
+):
+    host, _ = gpu_host
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
+    await core.create_namespaced_pod(namespace, pod("holder", POOL))
+    held = (await created(core, namespace, kubelet, "holder"))["envs"][resource_env_name(POOL)]
+    free = next(a for a in GPUS if a != held)
+    await label(core, kubelet.node_name, None)
+
+    async def given_back(*addresses):
+        return all(driver(host, a) == "nvidia" for a in addresses)
+
+    await support.wait_for(lambda: given_back(free), 30, what=f"{free} given back; log:\n{agent.output()[-3000:]}")
+    assert driver(host, held) == "vfio-pci"  # a pod holds it: never pulled from under its VM
+    assert {driver(host, a) for a in GROUPS if GROUPS[a] == GROUPS[free]} == {"nvidia", "snd_hda_intel"}
+    await delete_pod(core, namespace, "holder")
+    await support.wait_for(lambda: given_back(held), 60, what=f"{held} given back after its pod ended")
+    assert not (host.root / "dev" / "vfio" / str(GROUPS[held])).exists()
+    events = await core.list_namespaced_event("default", field_selector="reason=GivenBack")
+    names = await device_names(api, kubelet.node_name)
+    assert {names[held], names[free]} <= {e.involved_object.name for e in events.items}
