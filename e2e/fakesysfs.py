@@ -338,12 +338,13 @@ def _under(path: Path, folder: Path) -> bool:
 # --- Ready-made hosts -----------------------------------------------------------------
 
 
-def gpu_node(root: Path) -> FakeHost:
+def gpu_node(root: Path, vfio: bool = True) -> FakeHost:
     """Two NVIDIA A10s, each with its audio function in its IOMMU group, behind root ports.
 
-    The host bridge and the root ports sit on bus 00: the agent leaves them out.
+    The host bridge and the root ports sit on bus 00: the agent leaves them out. `vfio`:
+    whether vfio-pci is loaded.
     """
-    host = FakeHost(root)
+    host = FakeHost(root, vfio=vfio)
     host.add_device("0000:00:00.0", *HOST_BRIDGE, iommu_group=0)
     for n, (port, bus, numa) in enumerate((("0000:00:03.0", "3b", 0), ("0000:00:07.0", "af", 1))):
         host.add_root_port(port, bus, iommu_group=10 + n)
