@@ -14,6 +14,18 @@ from pathlib import Path
 from e2e.cluster import _die_with_parent, free_ports
 
 
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+    """Signal a child and wait for it; SIGKILL what has not exited in `timeout`. Its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class OperatorProcess:
     """`passthrough operator` as its own process, the way it runs in a cluster."""
 
@@ -41,14 +53,8 @@ class OperatorProcess:
             time.sleep(0.1)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
         if self.proc:
+            stop(self.proc, sig)
             self.log.close()
 
     def output(self) -> str:
@@ -87,14 +93,7 @@ class AgentProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        if self.alive():
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode if self.proc else None
+        return stop(self.proc, sig) if self.proc else None
 
     def output(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""

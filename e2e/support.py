@@ -126,6 +126,38 @@ async def assign(api: client.ApiClient, name: str, namespace: str) -> None:
     )
 
 
+def launcher_pod(name: str, resource: str) -> client.V1Pod:
+    """A pod asking for one device of `resource`, as KubeVirt's virt-launcher does.
+
+    Its env `MARK=<name>` finds its container among a fake runtime's CreateContainer records.
+    No service-account token: the local control plane runs no root-CA publisher.
+    """
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1PodSpec(
+            automount_service_account_token=False,
+            termination_grace_period_seconds=0,
+            containers=[client.V1Container(
+                name="compute", image="virt-launcher:test", env=[client.V1EnvVar(name="MARK", value=name)],
+                resources=client.V1ResourceRequirements(limits={resource: "1"}),
+            )],  # fmt: skip
+        ),
+    )
+
+
+async def create_pod(api: client.ApiClient, namespace: str, body: client.V1Pod, timeout: float = 30) -> client.V1Pod:
+    """Create a pod, waiting out a namespace too new to have its `default` ServiceAccount yet."""
+    core = client.CoreV1Api(api)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await core.create_namespaced_pod(namespace, body)
+        except ApiException as exc:
+            if "serviceaccount" not in str(exc.body).lower() or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.2)
+
+
 async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 30, interval: float = 0.1, what: str = "") -> Any:
     """Poll an async predicate until it returns something truthy; raise with `what` on timeout."""
     deadline = time.monotonic() + timeout

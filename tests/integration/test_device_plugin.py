@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
@@ -86,26 +85,6 @@ async def device_names(api, node: str) -> dict[str, str]:
     return {o["status"]["attributes"]["pciAddress"]: o["metadata"]["name"] for o in items if o.get("status")}
 
 
-def driver(host, address: str) -> str:
-    link = host.device_dir(address) / "driver"
-    return os.path.basename(os.readlink(link)) if link.is_symlink() else ""
-
-
-def pod(name: str, resource: str, env: str = "") -> client.V1Pod:
-    return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1PodSpec(
-            automount_service_account_token=False,
-            termination_grace_period_seconds=0,
-            containers=[client.V1Container(
-                name="compute", image="virt-launcher:test",
-                env=[client.V1EnvVar(name="MARK", value=env or name)],
-                resources=client.V1ResourceRequirements(limits={resource: "1"}),
-            )],  # fmt: skip
-        ),
-    )
-
-
 async def created(core, namespace: str, kubelet, pod_name: str, timeout: float = 30) -> dict:
     async def find():
         return next((c for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == pod_name), None)
@@ -137,12 +116,12 @@ async def test_a_node_in_gpu_mode_binds_its_gpus_and_advertises_the_pool(api, co
     host, _ = gpu_host
     await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
     # Not in GPU mode: nothing is bound, nothing is advertised.
-    assert {a: driver(host, a) for a in GPUS} == {a: "nvidia" for a in GPUS}
+    assert {a: host.driver(a) for a in GPUS} == {a: "nvidia" for a in GPUS}
     await label(core, kubelet.node_name, "true")
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent, field="capacity")
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
     # The whole IOMMU group went to vfio-pci, audio functions included, and /dev/vfio has both groups.
-    assert {a: driver(host, a) for a in GROUPS} == {a: "vfio-pci" for a in GROUPS}
+    assert {a: host.driver(a) for a in GROUPS} == {a: "vfio-pci" for a in GROUPS}
     assert sorted(p.name for p in (host.root / "dev" / "vfio").iterdir()) == ["20", "21", "vfio"]
 
 
@@ -154,7 +133,7 @@ async def test_an_assigned_gpu_leaves_the_pool_and_a_pod_receives_its_address(ap
     await wait_resources(core, kubelet.node_name, {resource: "1", POOL: "1"}, agent)
 
     # Placed by the real scheduler (no nodeName), admitted and allocated by the real kubelet.
-    await core.create_namespaced_pod(namespace, pod("vm-launcher", resource))
+    await support.create_pod(api, namespace, support.launcher_pod("vm-launcher", resource))
     container = await created(core, namespace, kubelet, "vm-launcher")
     assert container["envs"][resource_env_name(resource)] == "0000:af:00.0"
     assert resource_env_name(resource) == f"PCI_RESOURCE_PASSTHROUGH_IO_{gpu.upper()}"  # the hyphen is kept
@@ -164,7 +143,7 @@ async def test_an_assigned_gpu_leaves_the_pool_and_a_pod_receives_its_address(ap
     assert placed.spec.node_name == kubelet.node_name
 
     # A second pod asking for the same device does not fit: it has one.
-    await core.create_namespaced_pod(namespace, pod("second", resource))
+    await support.create_pod(api, namespace, support.launcher_pod("second", resource))
     await asyncio.sleep(3)
     assert not any(c["envs"].get("MARK") == "second" for c in kubelet.created_containers())
     await delete_pod(core, namespace, "second")
@@ -173,9 +152,9 @@ async def test_an_assigned_gpu_leaves_the_pool_and_a_pod_receives_its_address(ap
     await wait_resources(core, kubelet.node_name, {resource: "0", POOL: "2"}, agent)
 
 
-async def test_a_pool_pod_gets_one_gpu_and_its_group_devices(core, kubelet, agent, namespace):
+async def test_a_pool_pod_gets_one_gpu_and_its_group_devices(api, core, kubelet, agent, namespace):
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
-    await core.create_namespaced_pod(namespace, pod("pool-user", POOL))
+    await support.create_pod(api, namespace, support.launcher_pod("pool-user", POOL))
     container = await created(core, namespace, kubelet, "pool-user")
     [address] = container["envs"][resource_env_name(POOL)].split(",")
     assert address in GPUS  # never the audio function: KubeVirt hands addresses out by position
@@ -198,7 +177,7 @@ async def test_a_device_whose_vfio_node_vanishes_leaves_allocatable(core, kubele
 
 
 async def test_a_restarted_kubelet_gets_every_resource_back_without_restarting_the_agent(
-    core, kubelet, agent, namespace
+    api, core, kubelet, agent, namespace
 ):
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
     # At start the kubelet deletes every socket in its device-plugin directory.
@@ -206,7 +185,7 @@ async def test_a_restarted_kubelet_gets_every_resource_back_without_restarting_t
     assert agent.alive()
     # Registered again: a new pod is allocated through the re-created socket.
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent, timeout=60)
-    await core.create_namespaced_pod(namespace, pod("after-restart", POOL))
+    await support.create_pod(api, namespace, support.launcher_pod("after-restart", POOL))
     container = await created(core, namespace, kubelet, "after-restart", timeout=60)
     assert container["envs"][resource_env_name(POOL)] in GPUS
     await delete_pod(core, namespace, "after-restart")
@@ -217,20 +196,24 @@ async def test_leaving_gpu_mode_gives_back_what_no_pod_holds_and_the_rest_when_i
 ):
     host, _ = gpu_host
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
-    await core.create_namespaced_pod(namespace, pod("holder", POOL))
+    await support.create_pod(api, namespace, support.launcher_pod("holder", POOL))
     held = (await created(core, namespace, kubelet, "holder"))["envs"][resource_env_name(POOL)]
     free = next(a for a in GPUS if a != held)
     await label(core, kubelet.node_name, None)
 
     async def given_back(*addresses):
-        return all(driver(host, a) == "nvidia" for a in addresses)
+        return all(host.driver(a) == "nvidia" for a in addresses)
 
     await support.wait_for(lambda: given_back(free), 30, what=f"{free} given back; log:\n{agent.output()[-3000:]}")
-    assert driver(host, held) == "vfio-pci"  # a pod holds it: never pulled from under its VM
-    assert {driver(host, a) for a in GROUPS if GROUPS[a] == GROUPS[free]} == {"nvidia", "snd_hda_intel"}
+    assert host.driver(held) == "vfio-pci"  # a pod holds it: never pulled from under its VM
+    assert {host.driver(a) for a in GROUPS if GROUPS[a] == GROUPS[free]} == {"nvidia", "snd_hda_intel"}
     await delete_pod(core, namespace, "holder")
     await support.wait_for(lambda: given_back(held), 60, what=f"{held} given back after its pod ended")
     assert not (host.root / "dev" / "vfio" / str(GROUPS[held])).exists()
-    events = await core.list_namespaced_event("default", field_selector="reason=GivenBack")
     names = await device_names(api, kubelet.node_name)
-    assert {names[held], names[free]} <= {e.involved_object.name for e in events.items}
+
+    async def told():  # Events are posted after the scan's reports
+        events = await core.list_namespaced_event("default", field_selector="reason=GivenBack")
+        return {names[held], names[free]} <= {e.involved_object.name for e in events.items}
+
+    await support.wait_for(told, 10, what="a GivenBack Event on both devices")
