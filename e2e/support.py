@@ -9,6 +9,7 @@ it matters, not inside the code under test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import statistics
 import time
@@ -156,6 +157,22 @@ async def create_pod(api: client.ApiClient, namespace: str, body: client.V1Pod, 
             if "serviceaccount" not in str(exc.body).lower() or time.monotonic() > deadline:
                 raise
         await asyncio.sleep(0.2)
+
+
+async def delete_pod(api: client.ApiClient, namespace: str, name: str, timeout: float = 60) -> None:
+    """Delete a pod at once and wait until it is gone (its devices are free again)."""
+    core = client.CoreV1Api(api)
+    with contextlib.suppress(ApiException):
+        await core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+
+    async def gone():
+        try:
+            await core.read_namespaced_pod(name, namespace)
+        except ApiException as exc:
+            return exc.status == 404
+        return False
+
+    await wait_for(gone, timeout, 0.05, what=f"pod {namespace}/{name} deleted")
 
 
 async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 30, interval: float = 0.1, what: str = "") -> Any:

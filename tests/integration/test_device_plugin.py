@@ -10,7 +10,6 @@ CreateContainer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -98,20 +97,6 @@ async def created(core, namespace: str, kubelet, pod_name: str, timeout: float =
         raise AssertionError(f"{exc}\npod status: {status}\nevents:\n{said}\nkubelet log:\n{kubelet.kubelet_log.read_text()[-4000:]}") from None
 
 
-async def delete_pod(core, namespace: str, name: str) -> None:
-    with contextlib.suppress(client.exceptions.ApiException):
-        await core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
-
-    async def gone():
-        try:
-            await core.read_namespaced_pod(name, namespace)
-        except client.exceptions.ApiException as exc:
-            return exc.status == 404
-        return False
-
-    await support.wait_for(gone, 60, what=f"pod {namespace}/{name} deleted")
-
-
 async def test_a_node_in_gpu_mode_binds_its_gpus_and_advertises_the_pool(api, core, kubelet, agent, gpu_host):
     host, _ = gpu_host
     await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
@@ -146,8 +131,8 @@ async def test_an_assigned_gpu_leaves_the_pool_and_a_pod_receives_its_address(ap
     await support.create_pod(api, namespace, support.launcher_pod("second", resource))
     await asyncio.sleep(3)
     assert not any(c["envs"].get("MARK") == "second" for c in kubelet.created_containers())
-    await delete_pod(core, namespace, "second")
-    await delete_pod(core, namespace, "vm-launcher")
+    await support.delete_pod(api, namespace, "second")
+    await support.delete_pod(api, namespace, "vm-launcher")
     await support.assign(api, gpu, "")
     await wait_resources(core, kubelet.node_name, {resource: "0", POOL: "2"}, agent)
 
@@ -160,7 +145,7 @@ async def test_a_pool_pod_gets_one_gpu_and_its_group_devices(api, core, kubelet,
     assert address in GPUS  # never the audio function: KubeVirt hands addresses out by position
     group = GROUPS[address]
     assert {d["host_path"] for d in container["devices"]} == {"/dev/vfio/vfio", f"/dev/vfio/{group}"}
-    await delete_pod(core, namespace, "pool-user")
+    await support.delete_pod(api, namespace, "pool-user")
 
 
 async def test_a_device_whose_vfio_node_vanishes_leaves_allocatable(core, kubelet, agent, gpu_host):
@@ -188,7 +173,7 @@ async def test_a_restarted_kubelet_gets_every_resource_back_without_restarting_t
     await support.create_pod(api, namespace, support.launcher_pod("after-restart", POOL))
     container = await created(core, namespace, kubelet, "after-restart", timeout=60)
     assert container["envs"][resource_env_name(POOL)] in GPUS
-    await delete_pod(core, namespace, "after-restart")
+    await support.delete_pod(api, namespace, "after-restart")
 
 
 async def test_leaving_gpu_mode_gives_back_what_no_pod_holds_and_the_rest_when_its_pod_ends(
@@ -207,7 +192,7 @@ async def test_leaving_gpu_mode_gives_back_what_no_pod_holds_and_the_rest_when_i
     await support.wait_for(lambda: given_back(free), 30, what=f"{free} given back; log:\n{agent.output()[-3000:]}")
     assert host.driver(held) == "vfio-pci"  # a pod holds it: never pulled from under its VM
     assert {host.driver(a) for a in GROUPS if GROUPS[a] == GROUPS[free]} == {"nvidia", "snd_hda_intel"}
-    await delete_pod(core, namespace, "holder")
+    await support.delete_pod(api, namespace, "holder")
     await support.wait_for(lambda: given_back(held), 60, what=f"{held} given back after its pod ended")
     assert not (host.root / "dev" / "vfio" / str(GROUPS[held])).exists()
     names = await device_names(api, kubelet.node_name)
