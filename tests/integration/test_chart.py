@@ -23,6 +23,7 @@ import yaml
 from kubernetes_asyncio import client
 
 from e2e import build, fakesysfs, support
+from e2e.identities import kubeconfig_with_token
 from e2e.processes import OperatorProcess
 from passthrough.api import crds
 from passthrough.api.models import PassthroughConfigSpec
@@ -218,16 +219,6 @@ def release(cluster, helm, tmp_path_factory):
             if obj["kind"] != "ServiceAccount":  # cluster-scoped: the namespace does not take them along
                 cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--ignore-not-found", check=False)
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-
-
-def kubeconfig_with_token(cluster, token: str, path: Path) -> Path:
-    """The cluster's kubeconfig, logging in as the service account the token belongs to."""
-    config = yaml.safe_load(cluster.kubeconfig.read_text())
-    config["users"] = [{"name": "service-account", "user": {"token": token}}]
-    config["contexts"][0]["context"]["user"] = "service-account"
-    path.write_text(yaml.safe_dump(config))
-    path.chmod(0o600)
-    return path
 
 
 def test_the_api_server_accepts_every_rendered_object(cluster, helm, release, tmp_path):
