@@ -201,6 +201,33 @@ async def test_assigned_devices_get_their_exclusive_entry(api, kinds, config, ku
     await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted not in pci_list(o), "exclusive entry gone with the device", 60)
 
 
+async def test_a_stray_pcidevice_adds_no_entry_and_cannot_freeze_the_sync(api, kinds, config, kubevirt_ns, unique):
+    configs, kubevirts = kinds
+    await support.create_kubevirt(api, kubevirt_ns)
+    await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
+    await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied")
+    # Written by hand, not by the operator: no owner, and IDs that would make the render invalid.
+    pcidevices = Custom(api, "pcidevices", namespaced=True)
+    stray = f"pci-stray{unique}"
+    body = {"apiVersion": "passthrough.io/v1alpha1", "kind": "PCIDevice", "metadata": {"name": stray, "namespace": kubevirt_ns}}
+    await pcidevices.apply(body, "someone")
+    await pcidevices.apply({**body, "status": {"resourceName": "passthrough.io/x", "attributes": {
+        "pciAddress": "0000:01:00.0", "vendorID": "10de", "deviceID": "2236", "class": "030200", "nodeName": "n"}}},
+        "someone", status=True)  # fmt: skip
+    node = await support.ensure_node(api, f"kvnode-{unique}")
+    try:
+        # A real assignment after it still reaches KubeVirt: the sync is not frozen.
+        name = await support.report_device(api, node, support.gpu("0000:5f:00.0"))
+        await support.assign(api, name, kubevirt_ns)
+        wanted = {"pciVendorSelector": "10DE:2236", "resourceName": f"passthrough.io/{name}", "externalResourceProvider": True}
+        kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted in pci_list(o), "the real device's entry")
+        assert not [e for e in pci_list(kv) if stray in e["resourceName"]], pci_list(kv)
+        config_obj = await configs.get("cluster")
+        assert condition(config_obj, "Valid").get("status") != "False", config_obj["status"]
+    finally:
+        await client.CoreV1Api(api).delete_node(node.name)
+
+
 async def test_a_node_with_an_older_pci_ids_is_reported_before_a_vm_fails(api, kinds, config, kubevirt_ns, unique, tmp_path):
     configs, kubevirts = kinds
     await support.create_kubevirt(api, kubevirt_ns)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import datetime
 
-from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, needs_apply, plan_sync
+from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, assigned_devices, needs_apply, plan_sync
+from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.kubevirt.render import Advertised, AssignedDevice
 
 NOW = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
@@ -88,3 +89,40 @@ def test_waiting_for_a_missing_kubevirt_cr():
     applied = {c["type"]: c for c in status_after(plan)["conditions"]}["Applied"]
     assert applied["reason"] == "WaitingForKubeVirt" and "virt/kv" in applied["message"]
     assert plan.apply is None
+
+
+# -- which PCIDevices give allow-list entries --------------------------------------------------
+
+
+def node_device(name: str, uid: str, vendor: str = "10de", device: str = "2236") -> NodeDevice:
+    return NodeDevice.of({"metadata": {"name": name, "uid": uid},
+                          "status": {"attributes": {"vendorID": vendor, "deviceID": device, "nodeName": "n1"}}})  # fmt: skip
+
+
+def pci_device(name: str, namespace: str, owner_uid: str | None, vendor: str = "10de", device: str = "2236") -> Device:
+    owners = [{"apiVersion": "passthrough.io/v1alpha1", "kind": "NodePCIDevice", "name": name, "uid": owner_uid,
+               "controller": True}] if owner_uid else []  # fmt: skip
+    return Device.of({"metadata": {"name": name, "namespace": namespace, "ownerReferences": owners},
+                      "status": {"attributes": {"vendorID": vendor, "deviceID": device}}})  # fmt: skip
+
+
+def test_only_pcidevices_the_operator_made_give_allow_list_entries():
+    live = {"pci-a": node_device("pci-a", "uid-a")}
+    made = pci_device("pci-a", "team-a", "uid-a")
+    assert assigned_devices([made], live) == [AssignedDevice("pci-a", "10de", "2236")]
+    # Written by someone else: no owner, an owner of an older object of that name, or no such device.
+    assert assigned_devices([pci_device("pci-a", "team-b", None)], live) == []
+    assert assigned_devices([pci_device("pci-a", "team-b", "uid-old")], live) == []
+    assert assigned_devices([pci_device("pci-zzz", "team-b", "uid-a")], live) == []
+
+
+def test_allow_list_ids_come_from_the_node_device_not_from_the_pcidevice():
+    live = {"pci-a": node_device("pci-a", "uid-a", "10de", "2236")}
+    lying = pci_device("pci-a", "team-a", "uid-a", vendor="zzzz", device="not-hex")
+    assert assigned_devices([lying], live) == [AssignedDevice("pci-a", "10de", "2236")]
+
+
+def test_a_device_in_two_namespaces_during_a_reassignment_is_one_entry():
+    live = {"pci-a": node_device("pci-a", "uid-a")}
+    both = [pci_device("pci-a", "team-a", "uid-a"), pci_device("pci-a", "team-b", "uid-a")]
+    assert assigned_devices(both, live) == [AssignedDevice("pci-a", "10de", "2236")]

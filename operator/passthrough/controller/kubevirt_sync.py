@@ -8,12 +8,13 @@ the Events worth telling. It writes nothing when the CR already says what we wou
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from passthrough.api.models import API_VERSION, CONFIG_NAME, PASSTHROUGH_CONFIG
 from passthrough.api.conditions import Cond, condition
+from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.k8s import OPERATOR_MANAGER
 from passthrough.kubevirt.render import Advertised, AssignedDevice, Mismatch, Rendered, ValuesError, mismatches, parse_values, render
 
@@ -79,6 +80,29 @@ def _owned_lists(managed_fields: Sequence[Mapping[str, Any]]) -> frozenset[str]:
         if "f:featureGates" in (configuration.get("f:developerConfiguration") or {}):
             owned.add("featureGates")
     return frozenset(owned)
+
+
+def assigned_devices(devices: Iterable[Device], node_devices: Mapping[str, NodeDevice]) -> list[AssignedDevice]:
+    """The devices that get an exclusive allow-list entry: the PCIDevices the operator made.
+
+    A PCIDevice counts only while its controller owner is the live NodePCIDevice of the same
+    name (by uid), and its IDs are that NodePCIDevice's, as its node's agent reported them:
+    a PCIDevice someone else wrote adds no entry and, whatever its status says, cannot make
+    the render invalid. A device in two namespaces at once (reassigned while a VM still
+    holds it) is one entry. Sorted by name.
+    """
+    found: dict[str, AssignedDevice] = {}
+    for device in devices:
+        owner = node_devices.get(device.name)
+        if owner is None or device.name in found:
+            continue
+        if not any(o.get("controller") and o.get("kind") == "NodePCIDevice" and o.get("uid") == owner.uid
+                   for o in device.metadata.get("ownerReferences", [])):  # fmt: skip
+            continue
+        vendor, product = owner.attributes.get("vendorID"), owner.attributes.get("deviceID")
+        if vendor and product:
+            found[device.name] = AssignedDevice(device.name, vendor, product)
+    return [found[name] for name in sorted(found)]
 
 
 def kubevirt_target(spec: Mapping[str, Any]) -> tuple[str, str]:
