@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hotplug", dest="hotplug", action="store_false", help="do not listen for kernel hotplug events")
     p.add_argument("--dev-root", default="/dev", metavar="DIR", help="where /dev/vfio is found (default /dev)")
     p.add_argument(
+        "--host-root",
+        metavar="DIR",
+        help="where the node's filesystem is mounted: its pci.ids is preferred to the image's (e.g. /host)",
+    )
+    p.add_argument(
         "--device-plugin-dir",
         default="/var/lib/kubelet/device-plugins",
         metavar="DIR",

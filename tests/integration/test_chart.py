@@ -138,7 +138,7 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
     assert agent_mounts(daemonset, agent) == {
         "/host/sys": ("/sys", False),
         "/host/proc": ("/proc", True),
-        "/usr/share": ("/usr/share", True),
+        "/host/usr/share": ("/usr/share", True),
         "/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
         "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", False),
         "/host/dev/vfio": ("/dev/vfio", True),
@@ -163,7 +163,7 @@ def test_pools_left_to_nvidias_plugin_and_a_reporting_only_agent(helm, tmp_path)
     assert agent_mounts(one(objects, "DaemonSet")["spec"]["template"]["spec"], agent) == {
         "/host/sys": ("/sys", True),
         "/host/proc": ("/proc", True),
-        "/usr/share": ("/usr/share", True),
+        "/host/usr/share": ("/usr/share", True),
     }
 
 

@@ -185,3 +185,15 @@ def test_garbage_lines_never_raise_and_never_hide_valid_entries(vendors, classes
         lines.insert(position % (len(lines) + 1), line)
     db = PciIds.parse("\n".join(lines))
     assert_all_found(db, vendors, classes)
+
+
+def test_the_nodes_pci_ids_under_the_host_root_comes_before_the_images(tmp_path):
+    node = tmp_path / "host" / "usr" / "share" / "misc"
+    node.mkdir(parents=True)
+    (node / "pci.ids").write_text("10de  NVIDIA Corporation\n\t2236  GA102GL [A10]\n")
+    db = PciIds.load(host_root=tmp_path / "host")
+    assert db.path == node / "pci.ids" and db.device_name("10de", "2236") == "GA102GL [A10]"
+    # A node without one: the image's own database (or a clear problem when there is none either).
+    fallback = PciIds.load(host_root=tmp_path / "empty")
+    assert fallback.path != node / "pci.ids"
+    assert fallback.path is not None or str(tmp_path / "empty") in (fallback.problem or "")

@@ -38,7 +38,7 @@ async def _main(args: argparse.Namespace, rescan: float) -> int:
             node_name=args.node_name,
             sysfs_root=Path(args.sysfs_root),
             proc_root=Path(args.proc_root),
-            pci_ids=PciIds.load(args.pci_ids),
+            pci_ids=PciIds.load(args.pci_ids, host_root=args.host_root),
             rescan_interval=rescan,
             handover=handover,
         )

@@ -44,12 +44,18 @@ class PciIds:
         return f"PciIds(path={self.path!r}, edition={self.edition!r}, vendors={len(self._vendors)})"
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> PciIds:
-        """The database at `path`, or the first of SEARCH_PATHS that exists; never raises."""
+    def load(cls, path: str | Path | None = None, host_root: str | Path | None = None) -> PciIds:
+        """The database at `path`, or the first of SEARCH_PATHS that exists; never raises.
+
+        `host_root`: where the host's filesystem is mounted (the agent's pod sees the node's
+        /usr/share at /host/usr/share): its SEARCH_PATHS come first, so names follow the
+        node's own pci.ids as on the host, and the image's own database is the fallback.
+        """
         if path is None:
-            found = next((Path(p) for p in SEARCH_PATHS if Path(p).is_file()), None)
+            candidates = [*(str(Path(host_root) / p.lstrip("/")) for p in SEARCH_PATHS if host_root), *SEARCH_PATHS]
+            found = next((Path(p) for p in candidates if Path(p).is_file()), None)
             if found is None:
-                return cls(problem=f"no pci.ids found (looked in {', '.join(SEARCH_PATHS)}); {_CONSEQUENCE}; {_FIX}")
+                return cls(problem=f"no pci.ids found (looked in {', '.join(candidates)}); {_CONSEQUENCE}; {_FIX}")
             path = found
         path = Path(path)
         try:
