@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -38,6 +40,16 @@ from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger(__name__)
+
+
+def api_message(exc: ApiException) -> str:
+    """What the API server said, from a Status body (the reason alone says little: 422, 409)."""
+    try:
+        return json.loads(exc.body or "{}").get("message", "")
+    except (ValueError, AttributeError):
+        return ""
+
+SCAN_TIMEOUT = 60.0  # seconds one scan may take, its API requests included
 HELD_RECHECK = 5.0  # seconds between asking the kubelet whether a device to give back is still held
 
 
@@ -116,12 +128,17 @@ class Agent:
                 self._wake.clear()
                 self.mirror.changed.clear()
                 try:
-                    result = await self.scan()
+                    # The API client sets no timeout: a request to a server that vanished
+                    # silently would hold every later scan back.
+                    async with asyncio.timeout(SCAN_TIMEOUT):
+                        result = await self.scan()
                     if result.failed:
                         # Some writes failed (API unavailable, conflict): try again soon, not in 5 minutes.
                         asyncio.get_running_loop().call_later(5, self._wake.set)
-                except (ApiException, OSError, TimeoutError) as exc:
-                    log.warning("scan failed (%s); retrying in 5s", exc)
+                except (ApiException, OSError, TimeoutError, aiohttp.ClientError) as exc:
+                    # aiohttp.ClientError: a server that accepted the connection and went away
+                    # mid-request (ServerDisconnectedError) is no OSError, and no reason to stop.
+                    log.warning("scan failed (%s: %s); retrying in 5s", type(exc).__name__, exc)
                     asyncio.get_running_loop().call_later(5, self._wake.set)
                 await self._wait_for_reason()
         finally:
@@ -295,7 +312,8 @@ class Agent:
                 result.writes += 1
         except ApiException as exc:
             result.failed.append(name)
-            self._log_once(f"{name}:write:{exc.status}", "writing %s (%s) failed: %s %s", name, device.address, exc.status, exc.reason)
+            self._log_once(f"{name}:write:{exc.status}", "writing %s (%s) failed: %s %s %s", name, device.address,
+                           exc.status, exc.reason, api_message(exc))
 
     async def _report_missing(self, name: str, live: dict[str, Any], result: ScanResult) -> None:
         result.missing += 1
@@ -309,7 +327,8 @@ class Agent:
         except ApiException as exc:
             if exc.status != 404:  # already deleted by the operator or the garbage collector
                 result.failed.append(name)
-                self._log_once(f"{name}:write:{exc.status}", "marking %s NotFound failed: %s %s", name, exc.status, exc.reason)
+                self._log_once(f"{name}:write:{exc.status}", "marking %s NotFound failed: %s %s %s", name, exc.status,
+                               exc.reason, api_message(exc))
 
     async def _apply(self, body: dict[str, Any], status: bool) -> dict[str, Any]:
         async with self._limit:

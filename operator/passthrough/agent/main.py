@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from passthrough.agent import uevent
@@ -49,7 +50,7 @@ async def _main(args: argparse.Namespace, rescan: float) -> int:
             loop.add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(agent.run(), name="agent")]
         if args.hotplug:
-            tasks.append(asyncio.create_task(uevent.listen(agent.trigger), name="uevents"))
+            tasks.append(asyncio.create_task(supervised("hotplug listener", lambda: uevent.listen(agent.trigger)), name="uevents"))
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([tasks[0], stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in [*tasks, stopper]:
@@ -60,6 +61,24 @@ async def _main(args: argparse.Namespace, rescan: float) -> int:
         return 0
     finally:
         await api.close()
+
+
+async def supervised(what: str, start: Callable[[], Awaitable[None]], backoff: float = 1.0) -> None:
+    """Run `start()` again whenever it fails, saying so: a helper task must not die unnoticed.
+
+    One that returns has nothing more to do (the hotplug socket cannot be had here).
+    """
+    delay = backoff
+    while True:
+        try:
+            await start()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("%s failed (%s: %s); starting it again in %.0fs", what, type(exc).__name__, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 60)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ remains the safety net, and the agent says so once.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 from collections.abc import Callable
@@ -47,17 +48,34 @@ def open_socket() -> socket.socket:
     return sock
 
 
-async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = 0.5) -> None:
-    """Call `on_event` once per burst of pci events (a GPU and its audio function arrive together)."""
-    try:
-        sock = open_socket()
-    except OSError as exc:
-        log.warning("kernel hotplug events are not available (%s); relying on the periodic rescan", exc)
-        return
+async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = 0.5, sock: socket.socket | None = None) -> None:
+    """Call `on_event` once per burst of pci events (a GPU and its audio function arrive together).
+
+    `sock`: where the kernel's datagrams come from (the netlink socket when None; a test
+    hands in one end of a socket pair). Events lost to a full receive buffer (ENOBUFS, in a
+    uevent storm) are a reason to rescan, not to stop listening.
+    """
+    if sock is None:
+        try:
+            sock = open_socket()
+        except OSError as exc:
+            log.warning("kernel hotplug events are not available (%s); relying on the periodic rescan", exc)
+            return
+    sock.setblocking(False)
     loop = asyncio.get_running_loop()
+    overflowed = False
     try:
         while True:
-            data = await loop.sock_recv(sock, 65536)
+            try:
+                data = await loop.sock_recv(sock, 65536)
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                if not overflowed:
+                    log.warning("kernel hotplug events were lost (receive buffer full); rescanning instead")
+                    overflowed = True
+                on_event({"ACTION": "overflow"})
+                continue
             fields = parse(data)
             if not is_pci_hotplug(fields):
                 continue

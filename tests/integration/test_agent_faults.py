@@ -1,0 +1,68 @@
+"""The agent keeps running through an API server that hangs up mid-request, and says so."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+from kubernetes_asyncio import client
+
+from e2e import fakesysfs, support
+from e2e.processes import AgentProcess
+from e2e.proxy import FlakyProxy
+from passthrough.k8s import NODE_LABEL, Custom
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[2]
+PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
+
+
+@pytest.fixture
+async def proxy(cluster, tmp_path):
+    started = await FlakyProxy(cluster, tmp_path / "proxy").start()
+    yield started
+    await started.stop()
+
+
+@pytest.fixture
+async def node(api, unique):
+    node = await support.ensure_node(api, f"flaky-{unique}")
+    yield node
+    with contextlib.suppress(client.exceptions.ApiException):
+        await client.CoreV1Api(api).delete_node(node.name)
+
+
+async def readiness(api, node: str) -> dict[str, str]:
+    items = (await Custom(api, "nodepcidevices").list(f"{NODE_LABEL}={node}"))["items"]
+    return {o["status"]["attributes"]["pciAddress"]: next(c["reason"] for c in o["status"]["conditions"] if c["type"] == "Ready")
+            for o in items if o.get("status")}  # fmt: skip
+
+
+async def test_an_api_server_that_hangs_up_mid_request_does_not_stop_the_agent(api, cluster, proxy, node, tmp_path):
+    host = fakesysfs.gpu_node(tmp_path / "host")
+    agent = AgentProcess(
+        cluster, tmp_path / "agent.log", node.name, host, PCI_IDS,
+        f"--kubeconfig={proxy.kubeconfig(tmp_path / 'through-proxy')}", "--no-device-plugin", "--rescan-interval=1s",
+    ).start()  # fmt: skip
+    try:
+        await support.wait_for(lambda: readiness(api, node.name), 30, what=f"first report; log:\n{agent.output()[-2000:]}")
+        proxy.hang_up()
+        # Scans every second, each answered by a server that goes away mid-request.
+        await support.wait_for(lambda: asyncio.sleep(0, proxy.hung_up >= 5), 20, what="requests hung up on")
+        await asyncio.sleep(2)
+        assert agent.alive(), agent.output()[-3000:]
+        host.remove_device("0000:af:00.1")  # something to report once the server answers again
+        proxy.pass_through()
+
+        async def reported_gone():
+            return (await readiness(api, node.name)).get("0000:af:00.1") == "NotFound"
+
+        await support.wait_for(reported_gone, 90, what=f"the agent reporting again; log:\n{agent.output()[-3000:]}")
+        assert agent.alive()
+        output = agent.output()
+        assert "scan failed" in output and "retrying" in output, output[-3000:]
+    finally:
+        code = agent.stop()
+    assert code == 0 and "Traceback" not in agent.output(), agent.output()[-5000:]
