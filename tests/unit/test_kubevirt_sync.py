@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, assigned_devices, needs_apply, plan_sync
+from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, advertised, assigned_devices, needs_apply, plan_sync
 from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.kubevirt.render import Advertised, AssignedDevice
 
@@ -126,3 +126,19 @@ def test_a_device_in_two_namespaces_during_a_reassignment_is_one_entry():
     live = {"pci-a": node_device("pci-a", "uid-a")}
     both = [pci_device("pci-a", "team-a", "uid-a"), pci_device("pci-a", "team-b", "uid-a")]
     assert assigned_devices(both, live) == [AssignedDevice("pci-a", "10de", "2236")]
+
+
+def pooled_gpu(name: str, ready: str, reason: str) -> NodeDevice:
+    return NodeDevice.of({
+        "metadata": {"name": name, "uid": name},
+        "status": {"resourceName": "nvidia.com/GA102GL_A10", "mode": "Pool",
+                   "attributes": {"pciAddress": "0000:3b:00.0", "vendorID": "10de", "deviceID": "2236", "nodeName": "n1"},
+                   "conditions": [{"type": "Ready", "status": ready, "reason": reason}]},
+    })  # fmt: skip
+
+
+def test_only_ready_pooled_gpus_count_as_advertised():
+    devices = [pooled_gpu("ready", "True", "Ready"), pooled_gpu("busy", "False", "NotReady"),
+               pooled_gpu("gone", "False", "NotFound"), pooled_gpu("unbound", "False", "VfioNotLoaded")]  # fmt: skip
+    assert [a.resource_name for a in advertised(devices)] == ["nvidia.com/GA102GL_A10"]
+    assert len(advertised(devices)) == 1

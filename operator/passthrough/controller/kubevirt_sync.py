@@ -105,6 +105,20 @@ def assigned_devices(devices: Iterable[Device], node_devices: Mapping[str, NodeD
     return [found[name] for name in sorted(found)]
 
 
+def advertised(node_devices: Iterable[NodeDevice]) -> list[Advertised]:
+    """The pool resources the nodes really advertise: pooled GPUs that are Ready.
+
+    A GPU that is not eligible, could not be bound or is gone from its node is served by no
+    device plugin, so it cannot stand for its name in the mismatch report.
+    """
+    return [
+        Advertised(d.node_name, d.attributes.get("pciAddress", ""), d.attributes.get("vendorID", ""),
+                   d.attributes.get("deviceID", ""), d.resource_name)
+        for d in node_devices
+        if d.mode == "Pool" and d.resource_name and not d.deleting and d.ready is not None and d.ready.status == "True"
+    ]
+
+
 def kubevirt_target(spec: Mapping[str, Any]) -> tuple[str, str]:
     """(namespace, name) of the KubeVirt CR the values name, defaults filled in."""
     target = spec.get("kubevirt") or {}

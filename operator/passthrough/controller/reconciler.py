@@ -19,7 +19,7 @@ from passthrough.api.models import API_VERSION, CONFIG_NAME, NODE_PCI_DEVICE, PA
 from passthrough.controller import kubevirt_sync, lifecycle
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.k8s import OPERATOR_MANAGER, Custom, EventRecorder
-from passthrough.kubevirt.render import Advertised, Rendered
+from passthrough.kubevirt.render import Rendered
 from passthrough.pci.naming import exclusive_resource_name
 
 log = logging.getLogger(__name__)
@@ -198,12 +198,7 @@ class Reconciler:
         kubevirt = found[0] if found else None
         node_devices = {d.name: d for store in self.indices[NODE_DEVICES].values() for d in store}
         assigned = kubevirt_sync.assigned_devices((d for store in self.indices[DEVICES].values() for d in store), node_devices)
-        advertised = [
-            Advertised(d.node_name, d.attributes.get("pciAddress", ""), d.attributes.get("vendorID", ""),
-                       d.attributes.get("deviceID", ""), d.resource_name)
-            for store in self.indices[NODE_DEVICES].values() for d in store
-            if d.mode == "Pool" and d.resource_name and not d.deleting
-        ]
+        advertised = kubevirt_sync.advertised(node_devices.values())
         plan = kubevirt_sync.plan_sync(config, kubevirt, assigned, advertised,
                                        self.last_good, datetime.datetime.now(datetime.UTC))
         if plan.rendered is not None:
