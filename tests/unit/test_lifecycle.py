@@ -283,3 +283,32 @@ def test_two_racing_assignments_end_in_the_namespace_written_last():
     second = converge(lc.World(NAME, lc.NodeDevice(**{**first.node_device.__dict__, "assigned_namespace": "team-b"}),
                                first.devices, first.namespaces, {}, NOW))
     assert [d.namespace for d in second.devices] == ["team-b"]
+
+
+def test_a_device_that_is_not_ready_is_not_handed_out_and_the_condition_says_why():
+    busy = Cond("False", "NotReady", "network interface eth0 is up; bring it down (ip link set eth0 down)", "2026-11-29T11:00:00Z")
+    plan = lc.decide(world(node_device("team-a", ready=busy)))
+    assert of(plan, lc.ApplyDevice) == [] and of(plan, lc.ApplyDeviceStatus) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "DeviceNotReady")
+    assert "eth0 is up" in assigned["message"] and "team-a" in assigned["message"]
+    # Unbound on its node (vfio-pci not loaded) waits the same way; so does a device no agent reported yet.
+    unbound = Cond("False", "VfioNotLoaded", "vfio-pci is not loaded on this node: modprobe vfio-pci", "2026-11-29T11:00:00Z")
+    assert npci_conditions(lc.decide(world(node_device("team-a", ready=unbound))))["Assigned"]["reason"] == "DeviceNotReady"
+    assert npci_conditions(lc.decide(world(node_device("team-a", ready=None))))["Assigned"]["reason"] == "DeviceNotReady"
+
+
+def test_a_waiting_assignment_completes_by_itself_once_the_device_is_ready():
+    busy = Cond("False", "NotReady", "in use", "2026-11-29T11:00:00Z")
+    waiting = converge(world(node_device("team-a", ready=busy)))
+    assert waiting.devices == ()
+    ready = converge(lc.World(NAME, lc.NodeDevice(**{**waiting.node_device.__dict__, "ready": READY}), (), waiting.namespaces, {}, NOW))
+    assert [d.namespace for d in ready.devices] == ["team-a"] and ready.node_device.assigned.reason == "Assigned"
+
+
+def test_a_device_already_handed_out_keeps_its_pcidevice_when_it_turns_not_ready():
+    settled = converge(world(node_device("team-a")))
+    busy = Cond("False", "NotReady", "in use", "2026-11-29T11:59:00Z")
+    w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": busy}), settled.devices, settled.namespaces, {}, NOW)
+    after = converge(w)
+    assert [d.namespace for d in after.devices] == ["team-a"] and after.node_device.assigned.reason == "Assigned"

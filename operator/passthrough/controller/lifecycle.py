@@ -237,7 +237,11 @@ def decide(world: World) -> Plan:
 
     target = "" if npci.deleting else npci.assigned_namespace
     phase = world.namespaces.get(target) if target else None
-    usable = bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not expired
+    # A device is handed out only while it is Ready (eligible, bound, present); one already
+    # handed out keeps its PCIDevice through NotReady, and through NotFound for the grace period.
+    handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
+    not_ready = bool(target) and not handed_out and not (npci.ready is not None and npci.ready.status == "True")
+    usable = bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not expired and not not_ready
     current = next((d for d in world.devices if d.namespace == target), None) if usable else None
 
     # PCIDevices that must go: every one but the current one in the target namespace. One a VM
@@ -299,7 +303,7 @@ def decide(world: World) -> Plan:
     if npci.deleting:
         return plan
 
-    assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced)
+    assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready)
     attached = _attached_condition(attached_anywhere)
     if not assigned.same(npci.assigned) or not attached.same(npci.attached):
         plan.writes.append(
@@ -389,7 +393,7 @@ def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, A
     return events
 
 
-def _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced) -> Cond:
+def _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready) -> Cond:
     held = [(d.namespace, referenced[d.namespace]) for d in lingering if referenced[d.namespace]]
     holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
     if not target:
@@ -408,6 +412,11 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, will
         return Cond("False", "Available",
                     f"The device has been missing from node {npci.node_name}{since}, longer than the {format_duration(world.grace)} grace period, "
                     f"so its PCIDevice in {target} was removed; it is assigned again when the device returns.")
+    if not_ready:
+        why = (f"{npci.ready.reason}: {npci.ready.message}" if npci.ready
+               else f"node {npci.node_name or '?'} has not reported it yet")  # fmt: skip
+        return Cond("False", "DeviceNotReady",
+                    f"Waiting for the device to be Ready before it goes to {target} ({why}); it is handed out by itself once it is.")
     if not will_exist:
         old_vms = referenced.get(target) or ()
         waiting = f" ({_vm_list(target, old_vms)} still lists it)" if old_vms else ""
