@@ -16,10 +16,11 @@ READY = Cond("True", "Ready", "The device can be passed through.", "2026-11-29T1
 ATTRS = {"pciAddress": "0000:3b:00.0", "vendorID": "10de", "deviceID": "2236", "class": "030200", "nodeName": "gpu-1"}
 
 
-def node_device(namespace="", ready=READY, deleting=False, finalizers=(), assigned=None, attached=None) -> lc.NodeDevice:
+def node_device(namespace="", ready=READY, deleting=False, finalizers=(), assigned=None, attached=None, missing_since="") -> lc.NodeDevice:
     return lc.NodeDevice(
         name=NAME, uid="npci-uid", resource_version="10", assigned_namespace=namespace, deleting=deleting,
         finalizers=tuple(finalizers), ready=ready, assigned=assigned, attached=attached, attributes=ATTRS, node_name="gpu-1",
+        missing_since=missing_since,
     )
 
 
@@ -78,7 +79,8 @@ def settle(w: lc.World) -> lc.World:
                 del devices[write.namespace]
         elif isinstance(write, lc.ApplyNodeDeviceStatus):
             conds = {c["type"]: Cond.of(c) for c in write.body["status"]["conditions"]}
-            npci = lc.NodeDevice(**{**npci.__dict__, "assigned": conds["Assigned"], "attached": conds["Attached"]})
+            npci = lc.NodeDevice(**{**npci.__dict__, "assigned": conds["Assigned"], "attached": conds["Attached"],
+                                    "missing_since": write.body["status"].get("missingSince", "")})  # fmt: skip
         elif isinstance(write, lc.ApplyNodeDeviceFinalizer):
             npci = lc.NodeDevice(**{**npci.__dict__, "finalizers": tuple(write.body["metadata"]["finalizers"])})
     for ns, d in list(devices.items()):
@@ -183,20 +185,43 @@ def test_an_unassigned_device_gone_from_its_node_is_deleted():
     assert of(plan, lc.DeleteNodeDevice) == [lc.DeleteNodeDevice("npci-uid")]
 
 
+def gone(settled: lc.World, since: str, now=NOW) -> lc.World:
+    """The settled world once the device is NotFound, the operator having seen it so at `since`."""
+    lost = Cond("False", "NotFound", "gone", since)
+    npci = lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost, "missing_since": since})
+    return lc.World(NAME, npci, settled.devices, settled.namespaces, {}, now)
+
+
 def test_an_assigned_device_gone_keeps_its_pcidevice_for_the_grace_period():
-    lost = Cond("False", "NotFound", "gone", "2026-11-29T11:58:00Z")  # two minutes ago
     settled = converge(world(node_device("team-a")))
-    w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost}), settled.devices, settled.namespaces, {}, NOW)
-    plan = lc.decide(w)
+    plan = lc.decide(gone(settled, "2026-11-29T11:58:00Z"))  # two minutes ago
     assert of(plan, lc.DeleteDevice) == [] and of(plan, lc.DeleteNodeDevice) == []
     assert plan.requeue_after == pytest.approx(8 * 60)
 
 
-def test_after_the_grace_period_the_pcidevice_is_removed_and_the_condition_says_why():
-    lost = Cond("False", "NotFound", "gone", "2026-11-29T11:45:00Z")  # fifteen minutes ago
+def test_the_grace_period_counts_from_when_the_operator_saw_it_go_not_from_the_nodes_clock():
     settled = converge(world(node_device("team-a")))
-    w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost}), settled.devices, settled.namespaces, {}, NOW)
+    # NotReady for an hour, then NotFound: Ready's transition time stays an hour old (its status
+    # stayed False), and a node's clock may be anything. Neither decides.
+    an_hour_ago = Cond("False", "NotFound", "gone", "2026-11-29T11:00:00Z")
+    w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": an_hour_ago}), settled.devices,
+                 settled.namespaces, {}, NOW)  # fmt: skip
     plan = lc.decide(w)
+    assert of(plan, lc.DeleteDevice) == []
+    [write] = of(plan, lc.ApplyNodeDeviceStatus)
+    assert write.body["status"]["missingSince"] == "2026-11-29T12:00:00Z"  # now, by the operator's clock
+    assert plan.requeue_after == pytest.approx(10 * 60)
+    later = settle(w)
+    assert lc.decide(later).writes == []  # recorded once
+    # Back on its node: the record goes.
+    back = lc.World(NAME, lc.NodeDevice(**{**later.node_device.__dict__, "ready": READY}), later.devices, later.namespaces, {}, NOW)
+    [write] = of(lc.decide(back), lc.ApplyNodeDeviceStatus)
+    assert "missingSince" not in write.body["status"]
+
+
+def test_after_the_grace_period_the_pcidevice_is_removed_and_the_condition_says_why():
+    settled = converge(world(node_device("team-a")))
+    plan = lc.decide(gone(settled, "2026-11-29T11:45:00Z"))  # fifteen minutes ago
     assert [d.namespace for d in of(plan, lc.DeleteDevice)] == ["team-a"]
     assert of(plan, lc.DeleteNodeDevice) == []  # the admin's assignment stands
     message = npci_conditions(plan)["Assigned"]["message"]
@@ -204,10 +229,8 @@ def test_after_the_grace_period_the_pcidevice_is_removed_and_the_condition_says_
 
 
 def test_a_device_that_returns_after_the_grace_period_is_assigned_again():
-    lost = Cond("False", "NotFound", "gone", "2026-11-29T11:45:00Z")
     settled = converge(world(node_device("team-a")))
-    expired = converge(lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost}), settled.devices,
-                                settled.namespaces, {}, NOW))
+    expired = converge(gone(settled, "2026-11-29T11:45:00Z"))
     assert expired.devices == ()
     back = lc.World(NAME, lc.NodeDevice(**{**expired.node_device.__dict__, "ready": READY}), (), expired.namespaces, {}, NOW)
     assert [w.namespace for w in of(lc.decide(back), lc.ApplyDevice)] == ["team-a"]

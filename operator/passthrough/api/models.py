@@ -118,6 +118,13 @@ class NodePCIDeviceStatus(APIModel):
         default="", description="Pool: shared GPU pool. Exclusive: assigned to one namespace."
     )
     eligible: bool = Field(default=False, description="Whether the device can be passed through now.")
+    missingSince: str | None = Field(
+        default=None,
+        description=(
+            "When the operator first saw the device NotFound on its node, by the operator's clock; "
+            "an assigned device's grace period counts from here. Unset while the device is present."
+        ),
+    )
     conditions: Conditions
 
 

@@ -44,6 +44,7 @@ class NodeDevice:
     node_name: str
     resource_name: str = ""
     mode: str = ""
+    missing_since: str = ""  # status.missingSince, the operator's own record
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> NodeDevice:
@@ -64,6 +65,7 @@ class NodeDevice:
             node_name=attributes.get("nodeName") or (meta.get("labels") or {}).get(NODE_LABEL, ""),
             resource_name=status.get("resourceName") or "",
             mode=status.get("mode") or "",
+            missing_since=status.get("missingSince") or "",
         )
 
 
@@ -232,8 +234,11 @@ def decide(world: World) -> Plan:
         return plan
 
     missing = npci.ready is not None and npci.ready.reason == "NotFound"
-    missing_since = parse_timestamp(npci.ready.lastTransitionTime) if missing and npci.ready else None
-    expired = missing and (missing_since is None or world.now - missing_since >= world.grace)
+    # Counted from when this operator first saw it NotFound, by its own clock: Ready's transition
+    # time is the node's clock, and it does not move when NotReady turns into NotFound.
+    missing_since = (parse_timestamp(npci.missing_since) or world.now) if missing else None
+    expired = missing and world.now - missing_since >= world.grace
+    wanted_missing_since = timestamp(missing_since) if missing_since else ""
 
     target = "" if npci.deleting else npci.assigned_namespace
     phase = world.namespaces.get(target) if target else None
@@ -305,20 +310,18 @@ def decide(world: World) -> Plan:
 
     assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready)
     attached = _attached_condition(attached_anywhere)
-    if not assigned.same(npci.assigned) or not attached.same(npci.attached):
+    if not assigned.same(npci.assigned) or not attached.same(npci.attached) or wanted_missing_since != npci.missing_since:
+        status: dict[str, Any] = {
+            "conditions": [
+                condition("Assigned", assigned, npci.assigned, world.now),
+                condition("Attached", attached, npci.attached, world.now),
+            ]
+        }
+        if wanted_missing_since:  # left out, it is removed: the field is ours alone
+            status["missingSince"] = wanted_missing_since
         plan.writes.append(
             ApplyNodeDeviceStatus(
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": NODE_PCI_DEVICE.kind,
-                    "metadata": {"name": npci.name},
-                    "status": {
-                        "conditions": [
-                            condition("Assigned", assigned, npci.assigned, world.now),
-                            condition("Attached", attached, npci.attached, world.now),
-                        ]
-                    },
-                }
+                {"apiVersion": API_VERSION, "kind": NODE_PCI_DEVICE.kind, "metadata": {"name": npci.name}, "status": status}
             )
         )
         # A new device starting out unassigned is not news; every later transition is.
