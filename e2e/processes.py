@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import copy
+import datetime
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,11 +31,70 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15)
     return proc.returncode
 
 
-class OperatorProcess:
-    """`passthrough operator` as its own process, the way it runs in a cluster."""
+class WebhookServing:
+    """What the chart's webhook Secret holds, for a webhook on 127.0.0.1: a CA and a serving
+    certificate it signed (tls.crt, tls.key, ca.crt in `directory`), and a free port."""
 
-    def __init__(self, cluster, log: Path, *args: str) -> None:
-        self.cluster, self.log_path, self.args = cluster, log, args
+    def __init__(self, directory: Path) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        now = datetime.datetime.now(datetime.UTC)
+
+        def certificate(subject: str, key, issuer: str, signer, *extensions) -> x509.Certificate:
+            builder = (
+                x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                .public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1))
+            )
+            for extension, critical in extensions:
+                builder = builder.add_extension(extension, critical=critical)
+            return builder.sign(signer, hashes.SHA256())
+
+        ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+        ca = certificate("webhook-ca", ca_key, "webhook-ca", ca_key, (x509.BasicConstraints(ca=True, path_length=None), True))
+        serving = certificate(
+            "127.0.0.1", key, "webhook-ca", ca_key,
+            (x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False),
+            (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False),
+        )  # fmt: skip
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.port = directory, free_ports(1)[0]
+        self.ca = ca.public_bytes(serialization.Encoding.PEM)
+        (directory / "ca.crt").write_bytes(self.ca)
+        (directory / "tls.crt").write_bytes(serving.public_bytes(serialization.Encoding.PEM))
+        (directory / "tls.key").write_bytes(
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+
+    def args(self) -> list[str]:
+        return [f"--webhook-port={self.port}", "--webhook-addr=127.0.0.1", f"--webhook-cert-dir={self.directory}"]
+
+    def point(self, configuration: dict) -> dict:
+        """A webhook configuration rendered by the chart, calling this server instead of the Service."""
+        configuration = copy.deepcopy(configuration)
+        for webhook in configuration["webhooks"]:
+            path = webhook["clientConfig"]["service"]["path"]
+            webhook["clientConfig"] = {"url": f"https://127.0.0.1:{self.port}{path}", "caBundle": base64.b64encode(self.ca).decode()}
+        return configuration
+
+
+class OperatorProcess:
+    """`passthrough operator` as its own process, the way it runs in a cluster.
+
+    With `webhook`, it also serves the admission webhooks there, and `start` returns once
+    they listen.
+    """
+
+    def __init__(self, cluster, log: Path, *args: str, webhook: WebhookServing | None = None) -> None:
+        self.cluster, self.log_path, self.webhook = cluster, log, webhook
+        self.args = (*args, *(webhook.args() if webhook else ()))
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30) -> None:
@@ -47,7 +111,10 @@ class OperatorProcess:
                 raise AssertionError(f"operator exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
-                    return
+                    if self.webhook is None:
+                        return
+                    with socket.create_connection(("127.0.0.1", self.webhook.port), timeout=1):
+                        return
             if time.monotonic() > deadline:
                 raise AssertionError(f"operator not live after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.1)
@@ -66,7 +133,8 @@ class AgentProcess:
 
     With `kubelet` (an `e2e.kubelet.KubeletNode`), its device plugins register with that
     kubelet and it asks that kubelet's PodResources API; without, both point into the
-    fixture tree, where no kubelet ever answers.
+    fixture tree, where no kubelet ever answers. `args` come last and later flags win, so
+    `--kubeconfig=...` among them runs the agent as another user (the admin's by default).
     """
 
     def __init__(self, cluster, log: Path, node_name: str, host, pci_ids: Path, *args: str, kubelet=None) -> None:

@@ -59,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, default=64, help="devices reconciled in parallel (default 64)")
     p.add_argument("--liveness", default="", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument(
+        "--webhook-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve the validating admission webhooks (HTTPS) on PORT; 0: no webhooks (default)",
+    )
+    p.add_argument("--webhook-addr", default="0.0.0.0", metavar="ADDR", help="address the webhooks listen on (default 0.0.0.0)")
+    p.add_argument(
+        "--webhook-cert-dir",
+        default="",
+        metavar="DIR",
+        help="the webhooks' serving certificate: DIR/tls.crt and DIR/tls.key (a kubernetes.io/tls Secret); "
+        "re-read when they change",
+    )
     _add_client_flags(p)
     p.set_defaults(func=_lazy("passthrough.controller.main", "run"))
 

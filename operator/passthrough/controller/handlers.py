@@ -15,25 +15,14 @@ from typing import Any
 
 import kopf
 
+from passthrough.admission.rules import PREFIX as EXCLUSIVE_PREFIX, referenced_device_names
 from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE, VERSION
 from passthrough.controller import reconciler as rec
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView
 from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.k8s import connect
 
-EXCLUSIVE_PREFIX = "passthrough.io/"
 log = logging.getLogger(__name__)
-
-
-def referenced_device_names(spec: dict[str, Any] | None) -> set[str]:
-    """Names of the PCIDevices a VirtualMachine's spec lists (hostDevices and gpus by deviceName)."""
-    devices = ((((spec or {}).get("template") or {}).get("spec") or {}).get("domain") or {}).get("devices") or {}
-    names = set()
-    for entry in [*(devices.get("hostDevices") or []), *(devices.get("gpus") or [])]:
-        device_name = (entry or {}).get("deviceName") or ""
-        if device_name.startswith(EXCLUSIVE_PREFIX):
-            names.add(device_name[len(EXCLUSIVE_PREFIX):])
-    return names
 
 
 # -- lifecycle of the operator ---------------------------------------------------------------

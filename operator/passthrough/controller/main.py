@@ -8,6 +8,7 @@ import datetime
 import logging
 import os
 import sys
+from pathlib import Path
 
 import kopf
 
@@ -37,6 +38,19 @@ def run(args: argparse.Namespace) -> int:
     except DurationError as exc:
         print(f"passthrough operator: --not-found-grace: {exc}", file=sys.stderr)
         return 2
+    webhook_server = None
+    if args.webhook_port:
+        if not args.webhook_cert_dir:
+            print("passthrough operator: --webhook-port needs --webhook-cert-dir (tls.crt, tls.key)", file=sys.stderr)
+            return 2
+        cert_dir = Path(args.webhook_cert_dir)
+        missing = [str(cert_dir / f) for f in ("tls.crt", "tls.key") if not (cert_dir / f).is_file()]
+        if missing:
+            print(f"passthrough operator: --webhook-cert-dir: {', '.join(missing)} not found", file=sys.stderr)
+            return 2
+        webhook_server = kopf.WebhookServer(
+            addr=args.webhook_addr, port=args.webhook_port, certfile=cert_dir / "tls.crt", pkeyfile=cert_dir / "tls.key"
+        )
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # Kopf's own client logs in from it
     try:
@@ -47,7 +61,13 @@ def run(args: argparse.Namespace) -> int:
 
     from passthrough.controller import handlers  # noqa: F401  (registers the handlers)
 
-    memo = kopf.Memo(kubeconfig=args.kubeconfig, grace=datetime.timedelta(seconds=grace), workers=args.workers)
+    if webhook_server is not None:
+        # Registered only with a server to answer them: Kopf will not start otherwise.
+        from passthrough.admission import webhook  # noqa: F401
+
+    memo = kopf.Memo(
+        kubeconfig=args.kubeconfig, grace=datetime.timedelta(seconds=grace), workers=args.workers, webhook_server=webhook_server
+    )
     asyncio.run(
         kopf.operator(
             clusterwide=True,

@@ -1,0 +1,192 @@
+"""Who may use a namespace-assigned device: the admission decisions, as pure functions.
+
+A VM, VMI or pod names a device by its exclusive resource, `passthrough.io/<PCIDevice name>`.
+These functions take what the object lists and what the operator's indexes know (the
+namespace's PCIDevices, the VMs that list each one) and return a verdict; they know nothing
+of Kopf or the API. `admission.webhook` feeds them from the indexes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from passthrough.controller.lifecycle import Device
+from passthrough.pci.naming import EXCLUSIVE_DOMAIN
+
+PREFIX = f"{EXCLUSIVE_DOMAIN}/"
+# Deckhouse's limit, and what one VM's PCI topology comfortably takes.
+MAX_DEVICES = 8
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Empty `refusal`: admitted (with `warnings`, which kubectl prints)."""
+
+    refusal: str = ""
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def allowed(self) -> bool:
+        return not self.refusal
+
+
+# -- what an object lists -------------------------------------------------------------------
+
+
+def device_references(devices: Mapping[str, Any] | None) -> list[str]:
+    """PCIDevice names a KubeVirt `domain.devices` lists (hostDevices, then gpus), repeats kept."""
+    devices = devices or {}
+    names = []
+    for entry in [*(devices.get("hostDevices") or []), *(devices.get("gpus") or [])]:
+        device_name = (entry or {}).get("deviceName") or ""
+        if device_name.startswith(PREFIX):
+            names.append(device_name[len(PREFIX):])
+    return names
+
+
+def _get(obj: Mapping[str, Any] | None, *path: str) -> Any:
+    for key in path:
+        obj = (obj or {}).get(key)
+    return obj
+
+
+def vm_device_references(spec: Mapping[str, Any] | None) -> list[str]:
+    """What a VirtualMachine's spec lists (spec.template.spec.domain.devices)."""
+    return device_references(_get(spec, "template", "spec", "domain", "devices"))
+
+
+def vmi_device_references(spec: Mapping[str, Any] | None) -> list[str]:
+    """What a VirtualMachineInstance's spec lists (spec.domain.devices)."""
+    return device_references(_get(spec, "domain", "devices"))
+
+
+def referenced_device_names(spec: Mapping[str, Any] | None) -> set[str]:
+    """Names of the PCIDevices a VirtualMachine's spec lists (hostDevices and gpus by deviceName)."""
+    return set(vm_device_references(spec))
+
+
+def pod_device_requests(spec: Mapping[str, Any] | None) -> list[str]:
+    """PCIDevice names a pod asks for: `passthrough.io/` resources of any container or init
+    container, in requests or limits (a limit alone implies the request), each name once."""
+    names: dict[str, None] = {}
+    for container in [*(_get(spec, "containers") or []), *(_get(spec, "initContainers") or [])]:
+        resources = (container or {}).get("resources") or {}
+        for resource in [*(resources.get("requests") or {}), *(resources.get("limits") or {})]:
+            if resource.startswith(PREFIX):
+                names[resource[len(PREFIX):]] = None
+    return list(names)
+
+
+# -- about one device -----------------------------------------------------------------------
+
+
+def node_of(device: Device) -> str:
+    return device.status.get("nodeName") or (device.status.get("attributes") or {}).get("nodeName") or ""
+
+
+def _ready(device: Device) -> Mapping[str, Any] | None:
+    return next((c for c in device.status.get("conditions") or [] if c.get("type") == "Ready"), None)
+
+
+def _not_assigned(name: str, namespace: str) -> str:
+    # Says nothing of where the device is: another namespace's devices are none of the asker's business.
+    return (
+        f"{PREFIX}{name} is not a PCIDevice of namespace {namespace}; ask an admin to assign the device "
+        f"to {namespace}, or use one that `kubectl get pcidevices -n {namespace}` lists"
+    )
+
+
+def _being_removed(name: str, namespace: str) -> str:
+    return f"PCIDevice {name} is being removed from namespace {namespace} (unassigned or reassigned)"
+
+
+def _who(kind: str, namespace: str, name: str) -> str:
+    return f"{kind} {namespace}/{name}" if name else f"{kind} in namespace {namespace}"
+
+
+# -- the verdicts ---------------------------------------------------------------------------
+
+
+def judge_vm(
+    kind: str,
+    namespace: str,
+    name: str,
+    listed: Sequence[str],
+    before: Sequence[str] | None,
+    devices: Mapping[str, Device],
+    users: Mapping[str, Collection[str]],
+    exempt: Collection[str] = (),
+) -> Verdict:
+    """A VirtualMachine's or VMI's device list, on create (`before` None) or update.
+
+    `devices`: the namespace's PCIDevices by name (at least those listed); `users`: for each
+    device name, the VMs of the namespace whose spec lists it; `exempt`: VMs that do not count
+    as another user (the VM itself; for a VMI, the VM it was made from).
+
+    On update only what the update adds is judged: a device the object already held stays
+    editable while it is being reassigned, and a list grandfathered past a rule stays as it is.
+    """
+    counts, counted_before = Counter(listed), Counter(before or ())
+    added = [d for d in counts if before is None or d not in counted_before]
+    problems: list[str] = []
+    warnings: list[str] = []
+
+    for device, n in counts.items():
+        if n > 1 and n > counted_before[device]:
+            problems.append(f"{PREFIX}{device} is listed {n} times; list each device once")
+    if len(listed) > MAX_DEVICES and (before is None or len(listed) > len(before)):
+        problems.append(
+            f"{len(listed)} passthrough devices are listed, at most {MAX_DEVICES} fit one VM; "
+            f"remove {len(listed) - MAX_DEVICES}"
+        )
+    for device in added:
+        live = devices.get(device)
+        if live is None or live.namespace != namespace:
+            problems.append(_not_assigned(device, namespace))
+            continue
+        if live.deleting:
+            problems.append(f"{_being_removed(device, namespace)}; use another device of the namespace")
+            continue
+        others = sorted(set(users.get(device, ())) - set(exempt) - {name})
+        if others:
+            problems.append(
+                f"PCIDevice {device} is already used by VirtualMachine {namespace}/{others[0]}; "
+                "remove it from that VM first, or use another device"
+            )
+            continue
+        ready = _ready(live)
+        if not ready or ready.get("status") != "True":
+            why = f"{ready.get('reason')}: {ready.get('message')}" if ready else "not reported yet"
+            warnings.append(f"PCIDevice {device} is not Ready ({why}); the VM will not start on it until it is")
+    if added:
+        by_node: dict[str, list[str]] = {}
+        for device in counts:
+            live = devices.get(device)
+            if live is not None and live.namespace == namespace and node_of(live):
+                by_node.setdefault(node_of(live), []).append(device)
+        if len(by_node) > 1:
+            where = "; ".join(f"{', '.join(names)} on {node}" for node, names in sorted(by_node.items()))
+            problems.append(f"the devices are on different nodes ({where}) and a VM runs on one; list devices of one node only")
+
+    if problems:
+        return Verdict(f"{_who(kind, namespace, name)}: " + "; ".join(problems) + ".")
+    return Verdict(warnings=tuple(warnings))
+
+
+def judge_pod(namespace: str, name: str, requested: Collection[str], devices: Mapping[str, Device]) -> Verdict:
+    """A pod asking for `passthrough.io/` resources (create): each must be a PCIDevice of its
+    namespace that is not being removed. This keeps a bare pod away from another tenant's
+    /dev/vfio; KubeVirt's launcher pods, made in the VM's namespace, pass it."""
+    problems = []
+    for device in requested:
+        live = devices.get(device)
+        if live is None or live.namespace != namespace:
+            problems.append(_not_assigned(device, namespace))
+        elif live.deleting:
+            problems.append(f"{_being_removed(device, namespace)}; no new pod may use it")
+    if problems:
+        return Verdict(f"{_who('Pod', namespace, name)}: " + "; ".join(problems) + ".")
+    return Verdict()
