@@ -2,8 +2,9 @@
 
 Free ports, a fresh CA and serving certificate, a service-account key and an admin token
 are generated per cluster; a kubeconfig is written beside them. The controller-manager runs
-the namespace, garbage-collector and service-account controllers, so namespace deletion and
-ownerReference garbage collection behave as in a real cluster.
+the namespace, garbage-collector, service-account, cluster-role aggregation and admission-policy
+status controllers, so namespace deletion, ownerReference garbage collection and the namespace
+roles behave as in a real cluster.
 
     python -m e2e.cluster up      # start in the background, state in .cluster/
     python -m e2e.cluster down    # stop it, leaving no process behind
@@ -254,7 +255,10 @@ class LocalCluster:
                 f"--authorization-kubeconfig={self.kubeconfig}",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={kcm_port}",
-                "--controllers=namespace,garbagecollector,serviceaccount,serviceaccount-token",
+                # clusterrole-aggregation fills view/edit/admin from aggregated roles (the chart's
+                # PCIDevice read); validatingadmissionpolicy-status type-checks policies.
+                "--controllers=namespace,garbagecollector,serviceaccount,serviceaccount-token,"
+                "clusterrole-aggregation-controller,validatingadmissionpolicy-status-controller",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
                 f"--root-ca-file={pki / 'ca.crt'}",
                 "--leader-elect=false",

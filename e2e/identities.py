@@ -10,7 +10,10 @@ token does.
 from __future__ import annotations
 
 import json
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -59,3 +62,39 @@ def user_kubeconfig(cluster, namespace: str, name: str, path: Path, bound_pod: s
     """A kubeconfig of the ServiceAccount `namespace/name` (created if missing)."""
     service_account(cluster, namespace, name)
     return kubeconfig_with_token(cluster, token(cluster, namespace, name, bound_pod), path)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A user of the cluster: its user name and a kubeconfig that logs in as it."""
+
+    cluster: Any
+    user: str
+    kubeconfig: Path
+
+    def kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
+        """kubectl as this user (never raises: refusals are what tests look at)."""
+        return self.cluster.kubectl(f"--kubeconfig={self.kubeconfig}", *args, input=input, check=False)
+
+    def can_i(self, verb: str, resource: str, *flags: str) -> bool:
+        """`kubectl auth can-i`, asked by the user itself (a SelfSubjectAccessReview: RBAC's answer)."""
+        return self.kubectl("auth", "can-i", verb, resource, *flags).stdout.strip() == "yes"
+
+
+def identity(cluster, namespace: str, name: str, folder: Path, bound_pod: str | None = None) -> Identity:
+    """The ServiceAccount `namespace/name` (created if missing) as a user, its kubeconfig in `folder`."""
+    path = user_kubeconfig(cluster, namespace, name, folder / f"{namespace}.{name}.{bound_pod or 'sa'}.kubeconfig", bound_pod)
+    return Identity(cluster, f"system:serviceaccount:{namespace}:{name}", path)
+
+
+def bind(cluster, who: Identity, cluster_role: str, namespace: str | None = None) -> str:
+    """Grant `cluster_role` to `who`: in `namespace` (a RoleBinding), else cluster-wide; returns the binding's name."""
+    _, _, account_ns, account = who.user.split(":")
+    name = f"{account_ns}.{account}.{cluster_role}"
+    if namespace:
+        cluster.kubectl("create", "rolebinding", name, f"--clusterrole={cluster_role}", f"--serviceaccount={account_ns}:{account}",
+                        "-n", namespace)  # fmt: skip
+    else:
+        cluster.kubectl("create", "clusterrolebinding", name, f"--clusterrole={cluster_role}",
+                        f"--serviceaccount={account_ns}:{account}")  # fmt: skip
+    return name

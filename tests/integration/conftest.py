@@ -1,4 +1,4 @@
-"""Fixtures for tests against the real control plane: an API client and the operator process."""
+"""Fixtures for tests against the real control plane: an API client, the operator process, helm."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client
 
-from e2e import support
+from e2e import chart, support
 from e2e.processes import OperatorProcess
 from passthrough.k8s import connect
 
@@ -37,6 +37,12 @@ async def namespace(api, unique):
     yield name
     with contextlib.suppress(client.exceptions.ApiException):
         await core.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory):
+    """The real helm (e2e/chart.py), with a throwaway home."""
+    return chart.helm(tmp_path_factory.mktemp("helm-home"))
 
 
 @pytest.fixture(scope="module")

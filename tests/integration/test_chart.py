@@ -1,8 +1,9 @@
 """The Helm chart, rendered by the real helm and checked against the real API server.
 
-The chart's service accounts and cluster roles are created for real, and the real agent and
-operator run with those accounts' tokens: the RBAC is enough when the code does its work
-with no Forbidden answer, and no more than that where `kubectl auth can-i` says no.
+The chart's service accounts, roles and the agent's admission policies are created for real,
+and the real agent and operator run with those accounts' tokens (the agent's bound to a pod on
+its node, as a DaemonSet pod's is): the RBAC and the policies are enough when the code does its
+work with no Forbidden answer, and no more than that where `kubectl auth can-i` says no.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import pytest
 import yaml
 from kubernetes_asyncio import client
 
-from e2e import build, fakesysfs, support
-from e2e.identities import kubeconfig_with_token
-from e2e.processes import OperatorProcess
+from e2e import chart, fakesysfs, identities, support
+from e2e.chart import CHART, template
+from e2e.processes import OperatorProcess, WebhookServing
 from passthrough.api import crds
 from passthrough.api.models import PassthroughConfigSpec
 from passthrough.controller.lifecycle import FINALIZER
@@ -34,7 +35,6 @@ from passthrough.pci.naming import exclusive_resource_name
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts/passthrough-operator"
 PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
 GPUS = ("0000:3b:00.0", "0000:af:00.0")
 
@@ -59,27 +59,7 @@ PLATFORM = {
 DENIED = re.compile(r"forbidden|not enough permissions|[(\s:]403\b", re.IGNORECASE)
 
 
-# -- helm --------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory):
-    """Runs the helm that e2e/build.py builds beside the control plane, with a throwaway home."""
-    binary = build.ensure_binaries() / "helm"
-    home = tmp_path_factory.mktemp("helm-home")
-    env = {**os.environ, **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
-
-    def run(*args: str) -> str:
-        result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=60)
-        assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stderr}"
-        return result.stdout
-
-    return run
-
-
-def template(helm, release: str, namespace: str, *flags: str) -> list[dict]:
-    out = helm("template", release, str(CHART), f"--namespace={namespace}", *flags)
-    return [d for d in yaml.safe_load_all(out) if d]
+# -- helpers -------------------------------------------------------------------------------
 
 
 def one(objects: list[dict], kind: str) -> dict:
@@ -105,7 +85,12 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
     objects = template(helm, "passthrough", "passthrough-system")
     assert sorted(o["kind"] for o in objects) == sorted(
         ["ServiceAccount", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
-         "Role", "RoleBinding", "Deployment", "DaemonSet", "PassthroughConfig"]
+         "Role", "RoleBinding", "Deployment", "DaemonSet", "PassthroughConfig",
+         # Who may do what: the tenants' read (aggregated), the device admin, the agent's confinement.
+         "ClusterRole", "ClusterRole", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
+         "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding",
+         # The admission webhook, served by the operator.
+         "ValidatingWebhookConfiguration", "Service", "Secret"]
     )
     config = one(objects, "PassthroughConfig")
     assert config["metadata"]["name"] == "cluster"
@@ -117,7 +102,8 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
     operator = container(objects, "Deployment")
     assert operator["command"][:3] == ["passthrough", "operator", "--liveness=http://0.0.0.0:8080/healthz"]
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
-    assert operator["ports"] == [{"name": "healthz", "containerPort": 8080, "protocol": "TCP"}]
+    assert operator["ports"] == [{"name": "healthz", "containerPort": 8080, "protocol": "TCP"},
+                                 {"name": "webhook", "containerPort": 9443, "protocol": "TCP"}]  # fmt: skip
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and operator["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["serviceAccountName"] == "passthrough-operator"
@@ -191,33 +177,49 @@ def test_config_create_false_leaves_the_passthrough_config_to_someone_else(helm)
     assert "PassthroughConfig" not in {o["kind"] for o in objects}
 
 
+def test_namespace_roles_read_pcidevices_and_the_policies_confine_this_releases_agent(helm):
+    objects = template(helm, "p", "infra")
+    roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
+    tenants = roles["p-passthrough-pcidevices-view"]
+    aggregation = {k: v for k, v in tenants["metadata"]["labels"].items() if k.startswith("rbac.authorization.k8s.io/")}
+    assert aggregation == {f"rbac.authorization.k8s.io/aggregate-to-{r}": "true" for r in ("view", "edit", "admin")}
+    assert tenants["rules"] == [{"apiGroups": ["passthrough.io"], "resources": ["pcidevices"], "verbs": ["get", "list", "watch"]}]
+    assert roles["p-passthrough-device-admin"]["rules"] == [
+        {"apiGroups": ["passthrough.io"], "resources": ["nodepcidevices"], "verbs": ["get", "list", "watch", "patch", "update"]},
+        {"apiGroups": ["passthrough.io"], "resources": ["pcidevices", "passthroughconfigs"], "verbs": ["get", "list", "watch"]},
+    ]
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "ValidatingAdmissionPolicy"}
+    assert sorted(policies) == ["p-passthrough-agent-devices", "p-passthrough-agent-node"]
+    for spec in policies.values():
+        assert spec["failurePolicy"] == "Fail"
+        assert spec["matchConditions"] == [
+            {"name": "the-agent", "expression": "request.userInfo.username == 'system:serviceaccount:infra:p-passthrough-agent'"}
+        ]
+    bindings = {o["spec"]["policyName"]: o["spec"] for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert bindings == {name: {"policyName": name, "validationActions": ["Deny"]} for name in policies}
+
+
 # -- against the API server --------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def release(cluster, helm, tmp_path_factory):
-    """The chart's accounts and cluster roles, created for real in a namespace of their own.
+    """The chart's accounts, roles and agent policies, created for real in a namespace of their own.
 
-    Yields the rendered objects and a kubeconfig per component that logs in with a token of
-    that component's service account.
+    Yields the rendered objects and the operator's kubeconfig, which logs in with a token of
+    its service account (the agent's is bound to a pod on its node: see `agent`).
     """
     suffix = os.urandom(3).hex()
     namespace, name = f"chart-{suffix}", f"passthrough-{suffix}"
     cluster.kubectl("create", "namespace", namespace)
     objects = template(helm, name, namespace)
-    accounts = [o for o in objects if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
     try:
-        cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(accounts))
-        folder = tmp_path_factory.mktemp("kubeconfigs")
-        kubeconfigs = {}
-        for component in ("agent", "operator"):
-            token = cluster.kubectl("create", "token", f"{name}-{component}", "-n", namespace, "--duration=1h").stdout.strip()
-            kubeconfigs[component] = kubeconfig_with_token(cluster, token, folder / f"{component}.kubeconfig")
-        yield {"namespace": namespace, "name": name, "objects": objects, "kubeconfig": kubeconfigs}
+        with chart.installed(cluster, chart.access(objects)):
+            folder = tmp_path_factory.mktemp("kubeconfigs")
+            operator = identities.identity(cluster, namespace, f"{name}-operator", folder)
+            yield {"namespace": namespace, "name": name, "objects": objects, "kubeconfig": {"operator": operator.kubeconfig},
+                   "folder": folder}  # fmt: skip
     finally:
-        for obj in accounts:
-            if obj["kind"] != "ServiceAccount":  # cluster-scoped: the namespace does not take them along
-                cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--ignore-not-found", check=False)
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
@@ -245,7 +247,7 @@ def test_the_service_accounts_may_do_nothing_more(cluster, release):
         ("update", "nodepcidevices.passthrough.io"),
         *[(verb, "pcidevices.passthrough.io") for verb in ("get", "list", "watch", "create", "patch", "delete")],
         ("patch", "passthroughconfigs.passthrough.io"),
-        ("delete", "nodes"),
+        *[(verb, "nodes") for verb in ("create", "update", "delete")],
         ("create", "events"),
         ("list", "secrets"),
     ]
@@ -262,6 +264,8 @@ def test_the_service_accounts_may_do_nothing_more(cluster, release):
     allowed = [("agent", v, r) for v, r in agent if can_i(cluster, release, "agent", v, r, "-A")]
     allowed += [("operator", v, r) for v, r in operator if can_i(cluster, release, "operator", v, r, "-A")]
     assert allowed == []
+    # What RBAC leaves the agent cluster-wide (any NodePCIDevice, any Node) the agent policies
+    # narrow to its own node: tests/integration/test_tenancy.py.
     # OwnerReferencesPermissionEnforcement (not enabled in the test control plane, on in many
     # clusters) asks this of whoever sets blockOwnerDeletion on a PCIDevice.
     assert can_i(cluster, release, "operator", "update", "nodepcidevices.passthrough.io", "--subresource=finalizers")
@@ -310,8 +314,16 @@ async def node(api, release):
 
 
 @pytest.fixture(scope="module")
-async def agent(api, release, node, tmp_path_factory):
-    """The agent of the rendered DaemonSet, as the agent service account, over a fixture GPU node."""
+async def agent(api, cluster, release, node, tmp_path_factory):
+    """The agent of the rendered DaemonSet, as the agent service account, over a fixture GPU node.
+
+    Its token is bound to a pod on its node, as the DaemonSet pod's projected token is, so the
+    agent policies judge its writes by that node.
+    """
+    namespace, account = release["namespace"], f"{release['name']}-agent"
+    identities.pod_on_node(cluster, namespace, f"{account}-pod", node.name, account)
+    kubeconfig = identities.identity(cluster, namespace, account, release["folder"], bound_pod=f"{account}-pod").kubeconfig
+    chart.wait_for_agent_policies(cluster, namespace, release["name"], node.name)
     root = tmp_path_factory.mktemp("agent")
     host = fakesysfs.gpu_node(root / "host")
     env = dict(os.environ)
@@ -321,14 +333,14 @@ async def agent(api, release, node, tmp_path_factory):
     log_path = root / "agent.log"
     args = command_line(
         release["objects"], "DaemonSet",
-        f"--kubeconfig={release['kubeconfig']['agent']}", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}",
+        f"--kubeconfig={kubeconfig}", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}",
         f"--pci-ids={PCI_IDS}", "--no-hotplug", f"--dev-root={host.root / 'dev'}",
         f"--device-plugin-dir={root / 'device-plugins'}", f"--pod-resources-socket={root / 'pod-resources.sock'}",
     )  # fmt: skip
+    denied_before = await denied_requests(api)
     with log_path.open("ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
     kind = Custom(api, "nodepcidevices")
-    denied_before = await denied_requests(api)
 
     async def reported():
         items = (await kind.list(f"{NODE_LABEL}={node.name}"))["items"]
@@ -350,7 +362,7 @@ def _tail(path: Path) -> str:
     return path.read_text()[-3000:] if path.exists() else ""
 
 
-async def test_the_agent_reports_its_node_with_only_its_service_account(api, agent, node):
+async def test_the_agent_reports_its_node_with_only_its_service_account_and_the_node_policy(api, agent, node):
     devices = await agent["reported"]()
     assert sorted(a for a in devices if a in GPUS) == sorted(GPUS)
     assert (await client.CoreV1Api(api).read_node(node.name)).metadata.labels[VFIO_LABEL] == "true"
@@ -373,7 +385,9 @@ async def test_the_operator_does_its_work_with_only_its_service_account(api, clu
     config = one(template(helm, release["name"], release["namespace"], values_file(tmp_path / "values.yaml", values)),
                  "PassthroughConfig")  # fmt: skip
     args = [a for a in command_line(release["objects"], "Deployment")[4:] if not a.startswith("--liveness=")]
-    operator = OperatorProcess(cluster, tmp_path / "operator.log", *args, f"--kubeconfig={release['kubeconfig']['operator']}")
+    # The webhook serves on 127.0.0.1 with a certificate made here (its flags follow, and win).
+    operator = OperatorProcess(cluster, tmp_path / "operator.log", *args, f"--kubeconfig={release['kubeconfig']['operator']}",
+                               webhook=WebhookServing(tmp_path / "webhook-tls"))  # fmt: skip
     denied_before = await denied_requests(api)
     operator.start()
     try:
