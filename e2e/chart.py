@@ -48,6 +48,14 @@ def template(helm: Helm, release: str, namespace: str, *flags: str) -> list[dict
     return [d for d in yaml.safe_load_all(out) if d]
 
 
+def webhook_configuration(helm: Helm, serving) -> dict:
+    """The chart's ValidatingWebhookConfiguration, calling `serving` (an
+    `e2e.processes.WebhookServing` on 127.0.0.1) instead of the operator's Service."""
+    objects = template(helm, "passthrough", "passthrough-system", "--show-only=templates/webhook.yaml")
+    [configuration] = [o for o in objects if o["kind"] == "ValidatingWebhookConfiguration"]
+    return serving.point(configuration)
+
+
 def access(objects: list[dict]) -> list[dict]:
     return [o for o in objects if o["kind"] in ACCESS_KINDS]
 

@@ -9,6 +9,9 @@ the operator, and one agent per simulated node over a fixture sysfs tree:
   so the agent's device plugins register and pods receive their devices;
 - storage-node-1: an NVMe drive, a NIC that is up (not assignable) and a free NIC.
 
+The operator serves its admission webhooks on 127.0.0.1, registered from the chart's own
+ValidatingWebhookConfiguration, so a pod or VM naming another namespace's device is refused.
+
 Each node's tree has a simulated kernel (`e2e.fakekernel`) that reacts to the vfio-pci bind
 sequence as the real one does.
 
@@ -26,8 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from e2e import build, fakesysfs, kubelet
+from e2e import build, chart, fakesysfs, kubelet
 from e2e.cluster import REPO, LocalCluster, _die_with_parent, prepare
+from e2e.processes import WebhookServing
 
 WORKDIR = Path(os.environ.get("PASSTHROUGH_DEVCLUSTER_DIR") or REPO / ".devcluster")
 PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
@@ -89,7 +93,10 @@ def main() -> int:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(CONFIG))
 
         logs = WORKDIR / "logs"
-        children["operator"] = _spawn("operator", ["operator", f"--kubeconfig={cluster.kubeconfig}"], logs)
+        # The admission webhooks on 127.0.0.1, registered from the chart's own configuration.
+        serving = WebhookServing(WORKDIR / "webhook-tls")
+        children["operator"] = _spawn("operator", ["operator", f"--kubeconfig={cluster.kubeconfig}", *serving.args()], logs)
+        cluster.kubectl("create", "-f", "-", input=json.dumps(chart.webhook_configuration(chart.helm(WORKDIR / "helm"), serving)))
         no_kubelet = kubelet.why_unavailable(cluster)
         if no_kubelet:
             _say(f"left the kubelet out: {no_kubelet}; the GPU node is a Node object only")

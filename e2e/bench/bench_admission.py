@@ -28,7 +28,6 @@ import json
 import os
 import re
 import ssl
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,10 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
-import yaml  # noqa: E402
 from kubernetes_asyncio import client  # noqa: E402
 
-from e2e import build, cluster, support  # noqa: E402
+from e2e import chart, cluster, support  # noqa: E402
 from e2e.processes import OperatorProcess, WebhookServing  # noqa: E402
 from passthrough.k8s import Custom, connect  # noqa: E402
 
@@ -51,18 +49,6 @@ NAMESPACE = "bench-admission"
 DEVICES = 8
 HOOK = "virtualmachines.admission.passthrough.io"
 _DURATION = re.compile(r'^apiserver_admission_webhook_admission_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$')
-
-
-def chart_webhooks(serving: WebhookServing, home: Path) -> dict:
-    """The chart's ValidatingWebhookConfiguration, calling `serving` instead of the Service."""
-    env = {**os.environ, **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
-    out = subprocess.run(
-        [str(build.ensure_binaries() / "helm"), "template", "passthrough", str(REPO / "charts/passthrough-operator"),
-         "--namespace=passthrough-system", "--show-only=templates/webhook.yaml"],
-        capture_output=True, text=True, env=env, check=True, timeout=60,
-    ).stdout  # fmt: skip
-    [configuration] = [o for o in yaml.safe_load_all(out) if o and o["kind"] == "ValidatingWebhookConfiguration"]
-    return serving.point(configuration)
 
 
 def vm(name: str, devices: list[str]) -> dict:
@@ -141,7 +127,7 @@ async def bench(local: cluster.LocalCluster, tmp: Path, args: argparse.Namespace
         node = await support.ensure_node(api, "bench-node")
         devices = [await support.report_device(api, node, support.gpu(f"0000:{0x10 + i:02x}:00.0")) for i in range(DEVICES)]
         operator.start()
-        local.kubectl("create", "-f", "-", input=json.dumps(chart_webhooks(serving, tmp / "helm")))
+        local.kubectl("create", "-f", "-", input=json.dumps(chart.webhook_configuration(chart.helm(tmp / "helm"), serving)))
         pcidevices = Custom(api, "pcidevices", namespaced=True)
         for name in devices:
             await support.assign(api, name, NAMESPACE)

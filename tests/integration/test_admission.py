@@ -21,10 +21,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 from kubernetes_asyncio import client
 
-from e2e import build, support
+from e2e import chart, support
 from e2e.identities import user_kubeconfig
 from e2e.processes import OperatorProcess, WebhookServing
 from passthrough.admission import webhook
@@ -38,21 +37,6 @@ _EXCLUDED = re.compile(r'^apiserver_admission_match_condition_exclusions_total\{
 
 
 # -- the operator with its webhooks, registered from the chart ---------------------------------
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory):
-    """Runs the helm that e2e/build.py builds beside the control plane, with a throwaway home."""
-    binary = build.ensure_binaries() / "helm"
-    home = tmp_path_factory.mktemp("helm-home")
-    env = {**os.environ, **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
-
-    def run(*args: str) -> str:
-        result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=60)
-        assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stderr}"
-        return result.stdout
-
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +56,8 @@ def operator(cluster, serving, tmp_path_factory):
 @pytest.fixture(scope="module")
 def webhooks(cluster, helm, serving, operator):
     """The chart's ValidatingWebhookConfiguration, calling the operator on 127.0.0.1."""
-    rendered = yaml.safe_load_all(helm("template", f"adm-{os.urandom(3).hex()}", str(CHART), "--namespace=passthrough-system",
-                                       "--show-only=templates/webhook.yaml"))  # fmt: skip
-    [configuration] = [o for o in rendered if o and o["kind"] == "ValidatingWebhookConfiguration"]
+    configuration = chart.webhook_configuration(helm, serving)
     assert {w["name"] for w in configuration["webhooks"]} == set(HOOK.values())
-    configuration = serving.point(configuration)
     cluster.kubectl("create", "-f", "-", input=json.dumps(configuration))
     yield configuration
     # The cluster is shared: no later test may meet a webhook whose operator is gone.
@@ -451,8 +432,7 @@ async def test_with_the_operator_stopped_unrelated_objects_are_admitted_and_devi
 
 
 def render(helm, *flags: str) -> list[dict]:
-    out = helm("template", "passthrough", str(CHART), "--namespace=passthrough-system", *flags)
-    return [o for o in yaml.safe_load_all(out) if o]
+    return chart.template(helm, "passthrough", "passthrough-system", *flags)
 
 
 def the(objects: list[dict], kind: str) -> dict:

@@ -193,8 +193,12 @@ async def test_leaving_gpu_mode_gives_back_what_no_pod_holds_and_the_rest_when_i
     assert host.driver(held) == "vfio-pci"  # a pod holds it: never pulled from under its VM
     assert {host.driver(a) for a in GROUPS if GROUPS[a] == GROUPS[free]} == {"nvidia", "snd_hda_intel"}
     await support.delete_pod(api, namespace, "holder")
-    await support.wait_for(lambda: given_back(held), 60, what=f"{held} given back after its pod ended")
-    assert not (host.root / "dev" / "vfio" / str(GROUPS[held])).exists()
+    group = [a for a in GROUPS if GROUPS[a] == GROUPS[held]]
+
+    async def group_back():  # the GPU, then its audio function, then the group's /dev/vfio node
+        return {host.driver(a) for a in group} == {"nvidia", "snd_hda_intel"} and not host.vfio_node(GROUPS[held]).exists()
+
+    await support.wait_for(group_back, 60, what=f"{held} and its group given back after its pod ended")
     names = await device_names(api, kubelet.node_name)
 
     async def told():  # Events are posted after the scan's reports

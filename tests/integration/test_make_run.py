@@ -39,6 +39,19 @@ def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, t
                                    "-n", "kubevirt", "kubevirt", "-o", "jsonpath={.spec.configuration.developerConfiguration.featureGates}"],
                                   capture_output=True, text=True, timeout=30)
         assert "HostDevices" in kubevirt.stdout
+        # The admission webhook is live: a pod naming a device not assigned to its namespace is refused.
+        gpu = next(line.split()[0] for line in got.stdout.splitlines() if "gpu-node-1" in line)
+        pod = ('{"apiVersion":"v1","kind":"Pod","metadata":{"name":"thief"},"spec":{"containers":[{"name":"c","image":"x",'
+               f'"resources":{{"limits":{{"passthrough.io/{gpu}":"1"}}}}}}]}}}}')
+        deadline = time.monotonic() + 30
+        while True:
+            refused = subprocess.run([str(cluster.bin_dir / "kubectl"), f"--kubeconfig={workdir / 'kubeconfig'}", "create",
+                                      "-n", "default", "-f", "-"], input=pod, capture_output=True, text=True, timeout=30)
+            if "denied the request" in refused.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)  # the operator's webhook may not listen yet
+        assert refused.returncode != 0 and "denied the request" in refused.stderr, refused.stderr
+        assert f"passthrough.io/{gpu}" in refused.stderr
         pids = [int(p) for p in subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()]
         assert pids  # etcd, the API server, the controller-manager, the operator and the agents
     finally:
