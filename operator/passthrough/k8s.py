@@ -140,18 +140,23 @@ class Custom:
 
         return await patiently(once)
 
-    async def delete(self, name: str, namespace: str | None = None, uid: str | None = None) -> bool:
-        """Delete; False when already gone. `uid` guards against deleting a newer object of that name."""
-        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)) if uid else None
+    async def delete(
+        self, name: str, namespace: str | None = None, uid: str | None = None, resource_version: str | None = None
+    ) -> int:
+        """Delete; the answer's status: 200 (deleted or being deleted), 404 (already gone) or 409
+        (a precondition failed: `uid` guards against a newer object of that name, `resource_version`
+        against one that changed since it was decided on)."""
+        preconditions = client.V1Preconditions(uid=uid or None, resource_version=resource_version or None)
+        body = client.V1DeleteOptions(preconditions=preconditions) if uid or resource_version else None
         try:
             if self.namespaced:
                 await patiently(self.objects.delete_namespaced_custom_object, self.group, self.version, namespace, self.plural, name, body=body)
             else:
                 await patiently(self.objects.delete_cluster_custom_object, self.group, self.version, self.plural, name, body=body)
-            return True
+            return 200
         except ApiException as exc:
             if exc.status in (404, 409):
-                return False
+                return exc.status
             raise
 
     async def watch(self, label_selector: str = "", resource_version: str = "", timeout: int = 300) -> AsyncIterator[tuple[str, dict[str, Any]]]:

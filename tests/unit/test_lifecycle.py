@@ -62,6 +62,9 @@ def settle(w: lc.World) -> lc.World:
         if isinstance(write, lc.ApplyDevice):
             old = devices.get(write.namespace)
             meta = write.body["metadata"]
+            if old and old.deleting and set(meta.get("finalizers") or ()) - set(old.metadata["finalizers"]):
+                # As the API server: "no new finalizers can be added if the object is being deleted".
+                raise AssertionError(f"a finalizer planned onto the deleting PCIDevice {write.namespace}/{NAME}")
             devices[write.namespace] = lc.Device(
                 name=NAME, namespace=write.namespace, uid=old.uid if old else f"uid-{write.namespace}", resource_version="12",
                 deleting=old.deleting if old else False,
@@ -82,6 +85,8 @@ def settle(w: lc.World) -> lc.World:
             npci = lc.NodeDevice(**{**npci.__dict__, "assigned": conds["Assigned"], "attached": conds["Attached"],
                                     "missing_since": write.body["status"].get("missingSince", "")})  # fmt: skip
         elif isinstance(write, lc.ApplyNodeDeviceFinalizer):
+            if npci.deleting and set(write.body["metadata"]["finalizers"]) - set(npci.finalizers):
+                raise AssertionError("a finalizer planned onto the deleting NodePCIDevice")
             npci = lc.NodeDevice(**{**npci.__dict__, "finalizers": tuple(write.body["metadata"]["finalizers"])})
     for ns, d in list(devices.items()):
         if d.deleting and not d.metadata["finalizers"]:
@@ -335,3 +340,28 @@ def test_a_device_already_handed_out_keeps_its_pcidevice_when_it_turns_not_ready
     w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": busy}), settled.devices, settled.namespaces, {}, NOW)
     after = converge(w)
     assert [d.namespace for d in after.devices] == ["team-a"] and after.node_device.assigned.reason == "Assigned"
+
+
+def test_no_finalizer_is_planned_onto_a_pcidevice_being_deleted():
+    # Deleted by someone while no VM listed it; a VM lists it just after: the API server would
+    # refuse a new finalizer now, so none is planned, and the delete goes its way.
+    deleting = device("team-a", deleting=True, finalizers=())
+    w = world(node_device("team-a"), [deleting], vms={"team-a": ("vm1",)})
+    assert not [x for x in of(lc.decide(w), lc.ApplyDevice) if x.namespace == "team-a" and x.body["metadata"].get("finalizers")]
+    settle(w)  # the simulator refuses what the API server refuses
+
+
+def test_no_finalizer_is_planned_onto_a_node_device_being_deleted():
+    npci = node_device("team-a", deleting=True, finalizers=())
+    w = world(npci, [device("team-a", finalizers=())], vms={"team-a": ("vm1",)})
+    assert of(lc.decide(w), lc.ApplyNodeDeviceFinalizer) == []
+    settle(w)
+
+
+def test_a_delete_is_guarded_by_the_version_it_was_decided_on():
+    settled = converge(world(node_device("team-a")))
+    unassigned = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": ""}), settled.devices,
+                          settled.namespaces, {}, NOW)  # fmt: skip
+    [delete] = of(lc.decide(unassigned), lc.DeleteDevice)
+    [live] = settled.devices
+    assert (delete.uid, delete.resource_version) == (live.uid, live.resource_version)

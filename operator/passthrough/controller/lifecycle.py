@@ -131,6 +131,7 @@ class ApplyDeviceStatus:
 class DeleteDevice:
     namespace: str
     uid: str
+    resource_version: str = ""  # the version decided on: a delete of a changed object fails (409)
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,9 @@ def decide(world: World) -> Plan:
         if referenced[device.namespace] and FINALIZER not in device.metadata["finalizers"]:
             wanted = {**device.metadata, "finalizers": [FINALIZER]}
             plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
-        plan.writes.append(DeleteDevice(device.namespace, device.uid))
+            plan.writes.append(DeleteDevice(device.namespace, device.uid))  # the finalizer write moved its version
+        else:
+            plan.writes.append(DeleteDevice(device.namespace, device.uid, device.resource_version))
     leaving = [d for d in world.devices if d is not current or d.deleting]
     # Of those, the ones that outlive this plan: a VM holds them (or their namespace is going).
     lingering = [d for d in leaving if referenced[d.namespace] or (d.namespace == target and phase == "Terminating")]
@@ -278,12 +281,13 @@ def decide(world: World) -> Plan:
             )
             plan.events.extend(_device_events(npci, current, status, target))
 
-    # A PCIDevice being deleted keeps its finalizer exactly while a VM references it.
+    # A PCIDevice being deleted keeps its finalizer while a VM references it, and loses it once
+    # none does. It cannot gain one: the API server refuses new finalizers on a deleting object.
     for device in world.devices:
         if device.deleting:
             want = bool(referenced[device.namespace])
-            if want != (FINALIZER in device.metadata["finalizers"]):
-                wanted = {**device.metadata, "finalizers": [FINALIZER] if want else []}
+            if not want and FINALIZER in device.metadata["finalizers"]:
+                wanted = {**device.metadata, "finalizers": []}
                 plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
 
     # The NodePCIDevice: deleted when it is unassigned and gone from its node.
@@ -295,7 +299,8 @@ def decide(world: World) -> Plan:
     if will_exist and world.referencing_vms.get(target):
         attached_anywhere[target] = world.referencing_vms[target]
     want_finalizer = bool(lingering) if npci.deleting else bool(attached_anywhere)
-    if want_finalizer != (FINALIZER in npci.finalizers):
+    # Nor can a NodePCIDevice being deleted gain one.
+    if want_finalizer != (FINALIZER in npci.finalizers) and not (npci.deleting and want_finalizer):
         plan.writes.append(
             ApplyNodeDeviceFinalizer(
                 {

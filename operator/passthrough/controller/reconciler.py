@@ -172,7 +172,9 @@ class Reconciler:
                 raise
             return _expect("device", write.namespace, obj)
         if isinstance(write, lifecycle.DeleteDevice):
-            await self.devices.delete(name, write.namespace, uid=write.uid)
+            answer = await self.devices.delete(name, write.namespace, uid=write.uid, resource_version=write.resource_version)
+            if answer == 409:
+                return None  # it changed (or was made anew) since the decision: decide again, no waiting
             log.info("deleting PCIDevice %s/%s", write.namespace, name)
             return ("device-gone", write.namespace, "")
         if isinstance(write, lifecycle.ApplyNodeDeviceFinalizer | lifecycle.ApplyNodeDeviceStatus):
@@ -185,7 +187,8 @@ class Reconciler:
                 raise
             return _expect("node-device", "", obj)
         if isinstance(write, lifecycle.DeleteNodeDevice):
-            await self.node_devices.delete(name, uid=write.uid)
+            if await self.node_devices.delete(name, uid=write.uid) == 409:
+                return None  # a newer object of that name: decide again, no waiting
             log.info("deleted NodePCIDevice %s: unassigned and gone from its node", name)
             return ("node-device-gone", "", "")
         raise TypeError(f"unknown write {write!r}")
