@@ -39,6 +39,15 @@ async def namespace(api, unique):
         await core.delete_namespace(name)
 
 
+@pytest.fixture
+async def node(api, unique):
+    """A Node object of this test's own (no kubelet behind it), deleted after."""
+    node = await support.ensure_node(api, f"node-{unique}")
+    yield node
+    with contextlib.suppress(client.exceptions.ApiException):
+        await client.CoreV1Api(api).delete_node(node.name)
+
+
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory):
     """The real helm (e2e/chart.py), with a throwaway home."""

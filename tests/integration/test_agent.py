@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -29,14 +28,6 @@ AUDIO = ("0000:3b:00.1", "0000:af:00.1")
 @pytest.fixture(scope="module")
 def pci_ids():
     return PciIds.load(PCI_IDS)
-
-
-@pytest.fixture
-async def node(api, unique):
-    node = await support.ensure_node(api, f"agent-{unique}")
-    yield node
-    with contextlib.suppress(client.exceptions.ApiException):
-        await client.CoreV1Api(api).delete_node(node.name)
 
 
 @pytest.fixture

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 
 import pytest
-from kubernetes_asyncio import client
 
 from e2e import fakesysfs, support
 from e2e.processes import AgentProcess
@@ -25,14 +23,6 @@ async def proxy(cluster, tmp_path):
     started = await FlakyProxy(cluster, tmp_path / "proxy").start()
     yield started
     await started.stop()
-
-
-@pytest.fixture
-async def node(api, unique):
-    node = await support.ensure_node(api, f"flaky-{unique}")
-    yield node
-    with contextlib.suppress(client.exceptions.ApiException):
-        await client.CoreV1Api(api).delete_node(node.name)
 
 
 async def readiness(api, node: str) -> dict[str, str]:
