@@ -97,10 +97,15 @@ async def ensure_node(api: client.ApiClient, name: str) -> report.Node:
     return report.Node(name=name, uid=node.metadata.uid)
 
 
-def gpu(address: str, vendor: str = "10de", device: str = "2236", name: str = "GA102GL [A10]", resource: str = "nvidia.com/GA102GL_A10") -> Device:
+def gpu(address: str, vendor: str = "10de", device: str = "2236", name: str = "GA102GL [A10]", resource: str = "nvidia.com/GA102GL_A10",
+        iommu_group: int | None = None) -> Device:  # fmt: skip
+    """A GPU as discovery finds it; in an IOMMU group of its own unless `iommu_group` is given."""
+    bus, slot_fn = address.split(":")[1:]
+    slot, fn = slot_fn.split(".")
+    own_group = int(bus, 16) * 256 + int(slot, 16) * 8 + int(fn)
     return Device(
         address=address, vendor_id=vendor, device_id=device, subsystem_vendor_id="10de", subsystem_device_id="1482",
-        class_code="030200", driver="vfio-pci", iommu_group=int(address.split(":")[1], 16), numa_node=0,
+        class_code="030200", driver="vfio-pci", iommu_group=own_group if iommu_group is None else iommu_group, numa_node=0,
         vendor_name="NVIDIA Corporation", name=name, resource_name=resource, eligible=True, reason="", reported=True,
     )
 

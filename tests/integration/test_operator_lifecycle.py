@@ -86,7 +86,12 @@ async def test_assignment_creates_the_pcidevice_with_attributes_and_owner(api, k
     _, name = gpu_device
     await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
-    device = await pcidev.get(name, namespace)
+
+    async def with_status():  # written beside the condition, not before it
+        found = await pcidev.get(name, namespace)
+        return found if (found or {}).get("status") else None
+
+    device = await support.wait_for(with_status, 20, what=f"PCIDevice {namespace}/{name} with its status")
     node_device = await npci.get(name)
     assert device["status"]["attributes"] == node_device["status"]["attributes"]
     assert device["status"]["nodeName"] == node_device["status"]["attributes"]["nodeName"]
@@ -344,3 +349,26 @@ async def test_an_idle_operator_writes_nothing(api, kinds, gpu_device, namespace
     await asyncio.sleep(5)
     after = await support.write_counts(api)
     assert support.writes_between(before, after, *ours, verbs=support.CHANGE_VERBS) == 0, support.diff(before, after)
+
+
+async def test_an_iommu_group_goes_to_one_namespace(api, kinds, gpu_device, namespace, unique):
+    node_devices, pcidevices = kinds
+    node, gpu = gpu_device
+    # The A10's audio function, in the same IOMMU group on the same node.
+    group = support.gpu("0000:3b:00.0").iommu_group
+    audio = await support.report_device(
+        api, node, support.gpu("0000:3b:00.1", device="1aef", name="GA102 Audio", resource="", iommu_group=group))
+    other = await support.create_namespace(api, f"t-{unique}-b")
+    try:
+        await support.assign(api, gpu, namespace)
+        await wait_condition(node_devices, gpu, "Assigned", "Assigned")
+        await support.assign(api, audio, other)
+        got = await wait_condition(node_devices, audio, "Assigned", "IOMMUGroupConflict", contains=gpu)
+        assert namespace in got["message"] and got["status"] == "False"
+        assert await pcidevices.get(audio, other) is None
+        # Once the GPU leaves that namespace, the waiting assignment completes by itself.
+        await support.assign(api, gpu, "")
+        await wait_condition(node_devices, audio, "Assigned", "Assigned")
+        assert await pcidevices.get(audio, other) is not None
+    finally:
+        await client.CoreV1Api(api).delete_namespace(other)

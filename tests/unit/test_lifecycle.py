@@ -365,3 +365,23 @@ def test_a_delete_is_guarded_by_the_version_it_was_decided_on():
     [delete] = of(lc.decide(unassigned), lc.DeleteDevice)
     [live] = settled.devices
     assert (delete.uid, delete.resource_version) == (live.uid, live.resource_version)
+
+
+def test_a_group_member_assigned_elsewhere_makes_the_assignment_wait_and_names_it():
+    w = lc.World(NAME, node_device("team-b"), (), {"team-a": "Active", "team-b": "Active"}, {}, NOW,
+                 group={"pci-audio": "team-a"})  # fmt: skip
+    plan = lc.decide(w)
+    assert of(plan, lc.ApplyDevice) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "IOMMUGroupConflict")
+    assert "pci-audio" in assigned["message"] and "team-a" in assigned["message"]
+    # The same namespace, or an unassigned member, is no conflict.
+    for group in ({"pci-audio": "team-b"}, {"pci-audio": ""}):
+        same = lc.World(NAME, node_device("team-b"), (), w.namespaces, {}, NOW, group=group)
+        assert [d.namespace for d in of(lc.decide(same), lc.ApplyDevice)] == ["team-b"]
+
+
+def test_a_device_already_handed_out_keeps_its_namespace_when_a_group_member_goes_elsewhere():
+    settled = converge(world(node_device("team-a")))
+    w = lc.World(NAME, settled.node_device, settled.devices, settled.namespaces, {}, NOW, group={"pci-audio": "team-b"})
+    assert lc.decide(w).writes == []

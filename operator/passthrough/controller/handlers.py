@@ -41,7 +41,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     memo.api = await connect(memo.get("kubeconfig"))
     indices = {
         name: kwargs[name]
-        for name in (rec.NODE_DEVICES, rec.DEVICES, rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS)
+        for name in (rec.NODE_DEVICES, rec.DEVICES, rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS, rec.GROUPS)
     }
     memo.reconciler = rec.Reconciler(
         memo.api, indices, default_grace=memo.get("grace", datetime.timedelta(minutes=10)), workers=memo.get("workers", 64)
@@ -83,6 +83,13 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id=rec.NODE_DEVICES)
 async def node_devices_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeDevice]:
     return {name: NodeDevice.of(body)}
+
+
+@kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id=rec.GROUPS)
+async def iommu_groups_index(name: str, status: kopf.Status, **_: Any) -> dict[tuple[str, int], str] | None:
+    attributes = status.get("attributes") or {}
+    group = attributes.get("iommuGroup", -1)
+    return {(attributes.get("nodeName", ""), group): name} if isinstance(group, int) and group >= 0 else None
 
 
 @kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id="devices_by_namespace")
@@ -127,8 +134,11 @@ async def _enqueue(memo: kopf.Memo, names) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, NODE_PCI_DEVICE.plural)
-async def node_device_event(name: str, memo: kopf.Memo, **_: Any) -> None:
-    await _enqueue(memo, [name])
+async def node_device_event(name: str, status: kopf.Status, memo: kopf.Memo, iommu_groups: kopf.Index, **_: Any) -> None:
+    # Its group's other functions decide with it: an assignment of one may unblock another.
+    attributes = status.get("attributes") or {}
+    siblings = iommu_groups.get((attributes.get("nodeName", ""), attributes.get("iommuGroup", -1)), [])
+    await _enqueue(memo, {name, *siblings})
     memo.reconciler.sync_kubevirt_soon()  # what nodes advertise feeds the mismatch report
 
 

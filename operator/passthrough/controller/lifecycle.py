@@ -110,6 +110,9 @@ class World:
     referencing_vms: Mapping[str, tuple[str, ...]]  # namespace -> VMs whose spec lists the resource
     now: datetime.datetime
     grace: datetime.timedelta = DEFAULT_GRACE
+    # The other functions of its IOMMU group on its node: name -> assigned namespace ("" when
+    # none). VFIO gives a group to one VM, so a group belongs to one namespace.
+    group: Mapping[str, str] = field(default_factory=dict)
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -247,7 +250,11 @@ def decide(world: World) -> Plan:
     # handed out keeps its PCIDevice through NotReady, and through NotFound for the grace period.
     handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
     not_ready = bool(target) and not handed_out and not (npci.ready is not None and npci.ready.status == "True")
-    usable = bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not expired and not not_ready
+    # A group member assigned elsewhere blocks a new hand-out; one already handed out stays.
+    conflict = next(((other, ns) for other, ns in sorted(world.group.items()) if ns and ns != target), None)
+    conflict = conflict if target and not handed_out else None
+    usable = (bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not expired and not not_ready
+              and conflict is None)  # fmt: skip
     current = next((d for d in world.devices if d.namespace == target), None) if usable else None
 
     # PCIDevices that must go: every one but the current one in the target namespace. One a VM
@@ -313,7 +320,8 @@ def decide(world: World) -> Plan:
     if npci.deleting:
         return plan
 
-    assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready)
+    assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready,
+                                   conflict)  # fmt: skip
     attached = _attached_condition(attached_anywhere)
     if not assigned.same(npci.assigned) or not attached.same(npci.attached) or wanted_missing_since != npci.missing_since:
         status: dict[str, Any] = {
@@ -401,7 +409,8 @@ def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, A
     return events
 
 
-def _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready) -> Cond:
+def _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready,
+                        conflict) -> Cond:  # fmt: skip
     held = [(d.namespace, referenced[d.namespace]) for d in lingering if referenced[d.namespace]]
     holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
     if not target:
@@ -420,6 +429,13 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, will
         return Cond("False", "Available",
                     f"The device has been missing from node {npci.node_name}{since}, longer than the {format_duration(world.grace)} grace period, "
                     f"so its PCIDevice in {target} was removed; it is assigned again when the device returns.")
+    if conflict:
+        other, namespace = conflict
+        group = npci.attributes.get("iommuGroup", "?")
+        return Cond("False", "IOMMUGroupConflict",
+                    f"IOMMU group {group} on node {npci.node_name} also holds {other}, assigned to {namespace}; VFIO gives a "
+                    f"group to one VM, so all of its devices go to one namespace: assign {other} to {target} too, or this "
+                    f"device to {namespace}.")
     if not_ready:
         why = (f"{npci.ready.reason}: {npci.ready.message}" if npci.ready
                else f"node {npci.node_name or '?'} has not reported it yet")  # fmt: skip

@@ -31,6 +31,7 @@ VM_REFERENCES = "vm_references"
 NAMESPACES = "namespaces"
 CONFIGS = "configs"
 KUBEVIRTS = "kubevirts"
+GROUPS = "iommu_groups"
 
 # The work-queue key of the KubeVirt CR's sync (device keys are NodePCIDevice names).
 KUBEVIRT = ("kubevirt",)
@@ -95,6 +96,17 @@ class Reconciler:
         seconds = ((config.spec.get("devices") or {}).get("notFoundGracePeriodSeconds")) if config else None
         return datetime.timedelta(seconds=seconds) if seconds is not None else self.default_grace
 
+    def group_of(self, npci: lifecycle.NodeDevice) -> dict[str, str]:
+        """The other members of the device's IOMMU group on its node: name -> assigned namespace."""
+        group = npci.attributes.get("iommuGroup", -1)
+        if not isinstance(group, int) or group < 0:
+            return {}
+        return {
+            other: "" if member.deleting else member.assigned_namespace
+            for other in _values(self.indices.get(GROUPS), (npci.node_name, group)) if other != npci.name
+            for member in _values(self.indices[NODE_DEVICES], other)[:1]
+        }
+
     def world(self, name: str) -> lifecycle.World:
         node_devices = _values(self.indices[NODE_DEVICES], name)
         devices = tuple(sorted(_values(self.indices[DEVICES], name), key=lambda d: d.namespace))
@@ -105,9 +117,11 @@ class Reconciler:
         vm_index = self.indices.get(VM_REFERENCES)
         referencing = {ns: tuple(sorted(set(_values(vm_index, (ns, resource))))) for ns in namespaces}
         phases = {ns: phase for ns in namespaces for phase in _values(self.indices[NAMESPACES], ns)[:1]}
+        npci = node_devices[0] if node_devices else None
         return lifecycle.World(
             name=name,
-            node_device=node_devices[0] if node_devices else None,
+            node_device=npci,
+            group=self.group_of(npci) if npci else {},
             devices=devices,
             namespaces=phases,
             referencing_vms={ns: vms for ns, vms in referencing.items() if vms},
