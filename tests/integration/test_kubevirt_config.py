@@ -228,6 +228,41 @@ async def test_a_stray_pcidevice_adds_no_entry_and_cannot_freeze_the_sync(api, k
         await client.CoreV1Api(api).delete_node(node.name)
 
 
+async def test_a_device_assigned_while_the_values_are_invalid_says_its_entry_is_not_applied(
+    api, kinds, config, kubevirt_ns, unique, cluster
+):
+    configs, kubevirts = kinds
+    await support.create_kubevirt(api, kubevirt_ns)
+    spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}}
+    await config(spec)
+    await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied")
+    bad = {"pciVendorSelector": "10de:2236", "resourceName": "nvidia.com/A10"}  # conflicts with the default A10 entry
+    await config({**spec, "gpu": {"permittedHostDevices": {"pciHostDevices": [bad]}}})
+    await wait_config(configs, lambda o: condition(o, "Valid").get("status") == "False", "refused")
+    # `kubectl get ptconfig` shows it in a column of its own.
+    assert "False" in cluster.kubectl("get", "ptconfig", "cluster", "-o", "custom-columns=V:.status.conditions[?(@.type=='Valid')].status").stdout
+    assert "VALID" in cluster.kubectl("get", "ptconfig", "cluster").stdout.splitlines()[0]
+    node = await support.ensure_node(api, f"kvnode-{unique}")
+    node_devices = Custom(api, "nodepcidevices")
+    try:
+        name = await support.report_device(api, node, support.gpu("0000:60:00.0"))
+        await support.assign(api, name, kubevirt_ns)
+
+        async def assigned_reason(reason):
+            got = condition(await node_devices.get(name) or {}, "Assigned")
+            return got if got.get("reason") == reason else None
+
+        got = await support.wait_for(lambda: assigned_reason("AllowListNotApplied"), 20, what="AllowListNotApplied")
+        assert got["status"] == "False" and f"passthrough.io/{name}" in got["message"] and "invalid" in got["message"]
+        # Fixed values: the entry is applied and the device says Assigned.
+        await config(spec)
+        wanted = {"pciVendorSelector": "10DE:2236", "resourceName": f"passthrough.io/{name}", "externalResourceProvider": True}
+        await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted in pci_list(o), "the entry applied")
+        await support.wait_for(lambda: assigned_reason("Assigned"), 20, what="Assigned once the values are fixed")
+    finally:
+        await client.CoreV1Api(api).delete_node(node.name)
+
+
 async def test_a_node_with_an_older_pci_ids_is_reported_before_a_vm_fails(api, kinds, config, kubevirt_ns, unique, tmp_path):
     configs, kubevirts = kinds
     await support.create_kubevirt(api, kubevirt_ns)

@@ -385,3 +385,13 @@ def test_a_device_already_handed_out_keeps_its_namespace_when_a_group_member_goe
     settled = converge(world(node_device("team-a")))
     w = lc.World(NAME, settled.node_device, settled.devices, settled.namespaces, {}, NOW, group={"pci-audio": "team-b"})
     assert lc.decide(w).writes == []
+
+
+def test_an_allow_list_entry_kubevirt_lacks_is_said_on_the_device():
+    w = lc.World(NAME, node_device("team-a"), (), {"team-a": "Active"}, {}, NOW,
+                 allow_list_problem="the PassthroughConfig is invalid (duplicate selector 10DE:2236)")  # fmt: skip
+    plan = lc.decide(w)
+    assert [d.namespace for d in of(plan, lc.ApplyDevice)] == ["team-a"]  # the PCIDevice is made all the same
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "AllowListNotApplied")
+    assert RESOURCE in assigned["message"] and "duplicate selector" in assigned["message"]

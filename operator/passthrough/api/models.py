@@ -315,6 +315,7 @@ PASSTHROUGH_CONFIG = Resource(
     description=f"Platform values for PCI and GPU passthrough; a singleton named '{CONFIG_NAME}'.",
     printer_columns=[
         {"name": "Variant", "type": "string", "jsonPath": ".spec.gpu.variant"},
+        _condition_column("Valid", "Valid"),
         _condition_column("Applied", "Applied"),
         {"name": "PCI-Host-Devices", "type": "integer", "jsonPath": ".status.pciHostDevices"},
         _AGE,

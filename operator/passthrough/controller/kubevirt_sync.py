@@ -16,6 +16,7 @@ from passthrough.api.models import API_VERSION, CONFIG_NAME, PASSTHROUGH_CONFIG
 from passthrough.api.conditions import Cond, condition
 from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.k8s import OPERATOR_MANAGER
+from passthrough.pci.naming import exclusive_resource_name
 from passthrough.kubevirt.render import Advertised, AssignedDevice, Mismatch, Rendered, ValuesError, mismatches, parse_values, render
 
 # status lists are capped so that a config of thousands of entries keeps a readable status
@@ -131,6 +132,8 @@ class SyncPlan:
     status: dict[str, Any] | None = None  # PassthroughConfig status apply body
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     rendered: Rendered | None = None  # the configuration now good (to keep when later values are bad)
+    problems: list[str] = field(default_factory=list)  # why the values are invalid; [] when valid
+    unapplied: dict[str, str] = field(default_factory=dict)  # assigned device -> why KubeVirt lacks its entry
 
 
 def needs_apply(rendered: Rendered, live: KubeVirtView) -> bool:
@@ -178,6 +181,13 @@ def plan_sync(
     except ValuesError as exc:
         problems = exc.problems
         rendered = last_good  # keep what was applied; a bad edit tears nothing down
+
+    plan.problems = problems
+    if problems and kubevirt is not None:
+        # What KubeVirt has is the last good configuration: a device assigned since has no entry there.
+        have = {e.get("resourceName") for e in (rendered.pci_host_devices if rendered else [])}
+        why = f"the PassthroughConfig is invalid ({'; '.join(problems)})"
+        plan.unapplied = {d.name: why for d in assigned if exclusive_resource_name(d.name) not in have}
 
     conditions: dict[str, Cond] = {}
     if problems:

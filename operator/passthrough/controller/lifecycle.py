@@ -113,6 +113,8 @@ class World:
     # The other functions of its IOMMU group on its node: name -> assigned namespace ("" when
     # none). VFIO gives a group to one VM, so a group belongs to one namespace.
     group: Mapping[str, str] = field(default_factory=dict)
+    # Why KubeVirt's allow-list lacks its exclusive entry ("" when it has it, or is not ours).
+    allow_list_problem: str = ""
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -445,7 +447,12 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, will
         old_vms = referenced.get(target) or ()
         waiting = f" ({_vm_list(target, old_vms)} still lists it)" if old_vms else ""
         return Cond("False", "InProgress", f"Waiting for the previous PCIDevice {target}/{npci.name} to finish terminating{waiting}.")
-    message = f"Assigned to namespace {target} as PCIDevice {target}/{npci.name}; VMs there use deviceName {exclusive_resource_name(npci.name)}."
+    resource = exclusive_resource_name(npci.name)
+    if world.allow_list_problem:
+        return Cond("False", "AllowListNotApplied",
+                    f"PCIDevice {target}/{npci.name} exists, but KubeVirt's permittedHostDevices lacks {resource}: "
+                    f"{world.allow_list_problem}. VMs listing it get no pod until the values are fixed.")
+    message = f"Assigned to namespace {target} as PCIDevice {target}/{npci.name}; VMs there use deviceName {resource}."
     if holding:
         message += f" Meanwhile {holding}."
     return Cond("True", "Assigned", message)

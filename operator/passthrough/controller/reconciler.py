@@ -67,6 +67,8 @@ class Reconciler:
         self.configs = Custom(api, PASSTHROUGH_CONFIG.plural)
         self.kubevirts = Custom(api, "kubevirts", namespaced=True, group="kubevirt.io", version="v1")
         self.last_good: Rendered | None = None
+        self.unapplied: dict[str, str] = {}  # assigned device -> why KubeVirt lacks its entry
+        self._problems_logged: list[str] = []
         self.events = EventRecorder(api, OPERATOR_MANAGER)
         self.queue = WorkQueue()
         self.workers = workers
@@ -122,6 +124,7 @@ class Reconciler:
             name=name,
             node_device=npci,
             group=self.group_of(npci) if npci else {},
+            allow_list_problem=self.unapplied.get(name, ""),
             devices=devices,
             namespaces=phases,
             referencing_vms={ns: vms for ns, vms in referencing.items() if vms},
@@ -220,6 +223,13 @@ class Reconciler:
                                        self.last_good, datetime.datetime.now(datetime.UTC))
         if plan.rendered is not None:
             self.last_good = plan.rendered
+        if plan.problems and plan.problems != self._problems_logged:
+            log.warning("the PassthroughConfig is invalid, KubeVirt keeps the last good configuration: %s", "; ".join(plan.problems))
+        self._problems_logged = plan.problems
+        # Devices whose allow-list entry came or went decide again: their Assigned condition says so.
+        for name in set(plan.unapplied).symmetric_difference(self.unapplied):
+            self.enqueue(name)
+        self.unapplied = plan.unapplied
         expectations = []
         if plan.apply is not None:
             written = await self.kubevirts.apply(plan.apply, OPERATOR_MANAGER)
