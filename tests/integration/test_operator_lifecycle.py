@@ -372,3 +372,35 @@ async def test_an_iommu_group_goes_to_one_namespace(api, kinds, gpu_device, name
         assert await pcidevices.get(audio, other) is not None
     finally:
         await client.CoreV1Api(api).delete_namespace(other)
+
+
+async def test_a_namespace_deleted_and_made_again_does_not_inherit_the_device(api, kinds, gpu_device, unique):
+    node_devices, pcidevices = kinds
+    _, name = gpu_device
+    core = client.CoreV1Api(api)
+    team = await support.create_namespace(api, f"t-{unique}-re")
+    await support.assign(api, name, team)
+    await wait_condition(node_devices, name, "Assigned", "Assigned")
+    await core.delete_namespace(team)
+
+    async def gone():
+        try:
+            await core.read_namespace(team)
+        except client.exceptions.ApiException as exc:
+            return exc.status == 404
+        return False
+
+    await support.wait_for(gone, 60, what=f"namespace {team} deleted")
+    await support.create_namespace(api, team)  # perhaps by another tenant
+    try:
+        got = await wait_condition(node_devices, name, "Assigned", "NamespaceRecreated")
+        assert got["status"] == "False"
+        assert await pcidevices.get(name, team) is None
+        # The admin gives it to the new namespace on purpose: clear, then assign again.
+        await support.assign(api, name, "")
+        await wait_condition(node_devices, name, "Assigned", "Available")
+        await support.assign(api, name, team)
+        await wait_condition(node_devices, name, "Assigned", "Assigned")
+        assert await pcidevices.get(name, team) is not None
+    finally:
+        await core.delete_namespace(team)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import pytest
@@ -83,7 +84,8 @@ def settle(w: lc.World) -> lc.World:
         elif isinstance(write, lc.ApplyNodeDeviceStatus):
             conds = {c["type"]: Cond.of(c) for c in write.body["status"]["conditions"]}
             npci = lc.NodeDevice(**{**npci.__dict__, "assigned": conds["Assigned"], "attached": conds["Attached"],
-                                    "missing_since": write.body["status"].get("missingSince", "")})  # fmt: skip
+                                    "missing_since": write.body["status"].get("missingSince", ""),
+                                    "handed_to": tuple((write.body["status"].get("assignedNamespaceRef") or {"name": "", "uid": ""}).values())})  # fmt: skip
         elif isinstance(write, lc.ApplyNodeDeviceFinalizer):
             if npci.deleting and set(write.body["metadata"]["finalizers"]) - set(npci.finalizers):
                 raise AssertionError("a finalizer planned onto the deleting NodePCIDevice")
@@ -91,7 +93,7 @@ def settle(w: lc.World) -> lc.World:
     for ns, d in list(devices.items()):
         if d.deleting and not d.metadata["finalizers"]:
             del devices[ns]
-    return lc.World(w.name, npci, tuple(devices.values()), w.namespaces, w.referencing_vms, w.now, w.grace)
+    return dataclasses.replace(w, node_device=npci, devices=tuple(devices.values()))
 
 
 def converge(w: lc.World, rounds: int = 5) -> lc.World:
@@ -395,3 +397,33 @@ def test_an_allow_list_entry_kubevirt_lacks_is_said_on_the_device():
     assigned = npci_conditions(plan)["Assigned"]
     assert (assigned["status"], assigned["reason"]) == ("False", "AllowListNotApplied")
     assert RESOURCE in assigned["message"] and "duplicate selector" in assigned["message"]
+
+
+def test_a_namespace_made_again_under_the_same_name_does_not_inherit_the_device():
+    first = lc.World(NAME, node_device("team-a"), (), {"team-a": "Active"}, {}, NOW, namespace_uids={"team-a": "uid-1"})
+    [write] = of(lc.decide(first), lc.ApplyNodeDeviceStatus)
+    assert write.body["status"]["assignedNamespaceRef"] == {"name": "team-a", "uid": "uid-1"}  # recorded as it is handed out
+    handed = settle(first)
+    assert handed.node_device.handed_to == ("team-a", "uid-1") and lc.decide(handed).writes == []
+    # team-a deleted (its PCIDevice went with it) and created again: a new uid.
+    again = lc.World(NAME, handed.node_device, (), {"team-a": "Active"}, {}, NOW, namespace_uids={"team-a": "uid-2"})
+    plan = lc.decide(again)
+    assert of(plan, lc.ApplyDevice) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "NamespaceRecreated")
+    assert "clear spec.assignedNamespace and set it again" in assigned["message"]
+    # The admin clears the assignment (the record goes) and sets it again: the new namespace gets it.
+    cleared = settle(lc.World(NAME, lc.NodeDevice(**{**handed.node_device.__dict__, "assigned_namespace": ""}), (),
+                              {"team-a": "Active"}, {}, NOW, namespace_uids={"team-a": "uid-2"}))  # fmt: skip
+    assert cleared.node_device.handed_to == ("", "")
+    reassigned = lc.World(NAME, lc.NodeDevice(**{**cleared.node_device.__dict__, "assigned_namespace": "team-a"}), (),
+                          {"team-a": "Active"}, {}, NOW, namespace_uids={"team-a": "uid-2"})  # fmt: skip
+    assert [d.namespace for d in of(lc.decide(reassigned), lc.ApplyDevice)] == ["team-a"]
+
+
+def test_moving_a_device_to_another_namespace_is_no_recreation():
+    handed = settle(lc.World(NAME, node_device("team-a"), (), {"team-a": "Active", "team-b": "Active"}, {}, NOW,
+                             namespace_uids={"team-a": "uid-a", "team-b": "uid-b"}))  # fmt: skip
+    moved = dataclasses.replace(handed, node_device=lc.NodeDevice(**{**handed.node_device.__dict__, "assigned_namespace": "team-b"}))
+    after = converge(moved)
+    assert [d.namespace for d in after.devices] == ["team-b"] and after.node_device.handed_to == ("team-b", "uid-b")

@@ -105,6 +105,11 @@ class NodePCIDeviceSpec(APIModel):
     )
 
 
+class NamespaceRef(APIModel):
+    name: str = Field(description="Namespace name.")
+    uid: str = Field(description="The namespace's uid when the device was handed to it.")
+
+
 class NodePCIDeviceStatus(APIModel):
     attributes: PCIAttributes | None = None
     resourceName: str = Field(
@@ -123,6 +128,13 @@ class NodePCIDeviceStatus(APIModel):
         description=(
             "When the operator first saw the device NotFound on its node, by the operator's clock; "
             "an assigned device's grace period counts from here. Unset while the device is present."
+        ),
+    )
+    assignedNamespaceRef: NamespaceRef | None = Field(
+        default=None,
+        description=(
+            "The namespace the device was handed to, with its uid, recorded by the operator: a namespace "
+            "deleted and created again under the same name does not inherit the device."
         ),
     )
     conditions: Conditions

@@ -109,8 +109,8 @@ async def vm_references_index(name: str, namespace: str, spec: kopf.Spec, **_: A
 
 
 @kopf.index("", "v1", "namespaces", id=rec.NAMESPACES)
-async def namespaces_index(name: str, status: kopf.Status, **_: Any) -> dict[str, str]:
-    return {name: status.get("phase") or "Active"}
+async def namespaces_index(name: str, uid: str, status: kopf.Status, **_: Any) -> dict[str, tuple[str, str]]:
+    return {name: (status.get("phase") or "Active", uid)}
 
 
 @kopf.index(GROUP, VERSION, PASSTHROUGH_CONFIG.plural, id=rec.CONFIGS)

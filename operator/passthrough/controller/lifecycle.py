@@ -45,6 +45,7 @@ class NodeDevice:
     resource_name: str = ""
     mode: str = ""
     missing_since: str = ""  # status.missingSince, the operator's own record
+    handed_to: tuple[str, str] = ("", "")  # status.assignedNamespaceRef: (name, uid) it was handed to
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> NodeDevice:
@@ -66,6 +67,7 @@ class NodeDevice:
             resource_name=status.get("resourceName") or "",
             mode=status.get("mode") or "",
             missing_since=status.get("missingSince") or "",
+            handed_to=((status.get("assignedNamespaceRef") or {}).get("name", ""), (status.get("assignedNamespaceRef") or {}).get("uid", "")),
         )
 
 
@@ -115,6 +117,7 @@ class World:
     group: Mapping[str, str] = field(default_factory=dict)
     # Why KubeVirt's allow-list lacks its exclusive entry ("" when it has it, or is not ours).
     allow_list_problem: str = ""
+    namespace_uids: Mapping[str, str] = field(default_factory=dict)  # name -> uid, of the namespaces above
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -250,13 +253,18 @@ def decide(world: World) -> Plan:
     phase = world.namespaces.get(target) if target else None
     # A device is handed out only while it is Ready (eligible, bound, present); one already
     # handed out keeps its PCIDevice through NotReady, and through NotFound for the grace period.
+    # An assignment belongs to the namespace it was handed to (its uid): one deleted and made
+    # again under the same name, perhaps by another tenant, does not inherit the device.
+    target_uid = world.namespace_uids.get(target, "") if target else ""
+    handed_name, handed_uid = npci.handed_to
+    recreated = bool(target and handed_name == target and handed_uid and target_uid and handed_uid != target_uid)
     handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
     not_ready = bool(target) and not handed_out and not (npci.ready is not None and npci.ready.status == "True")
     # A group member assigned elsewhere blocks a new hand-out; one already handed out stays.
     conflict = next(((other, ns) for other, ns in sorted(world.group.items()) if ns and ns != target), None)
     conflict = conflict if target and not handed_out else None
     usable = (bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not expired and not not_ready
-              and conflict is None)  # fmt: skip
+              and conflict is None and not recreated)  # fmt: skip
     current = next((d for d in world.devices if d.namespace == target), None) if usable else None
 
     # PCIDevices that must go: every one but the current one in the target namespace. One a VM
@@ -323,9 +331,13 @@ def decide(world: World) -> Plan:
         return plan
 
     assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready,
-                                   conflict)  # fmt: skip
+                                   conflict, recreated)  # fmt: skip
     attached = _attached_condition(attached_anywhere)
-    if not assigned.same(npci.assigned) or not attached.same(npci.attached) or wanted_missing_since != npci.missing_since:
+    # Recorded once handed out; kept while the namespace is away or was made anew; cleared with
+    # the assignment (the admin assigning again is what gives the device to a new namespace).
+    wanted_ref = ("", "") if not target else ((target, target_uid) if will_exist and target_uid else npci.handed_to)
+    if (not assigned.same(npci.assigned) or not attached.same(npci.attached) or wanted_missing_since != npci.missing_since
+            or wanted_ref != npci.handed_to):  # fmt: skip
         status: dict[str, Any] = {
             "conditions": [
                 condition("Assigned", assigned, npci.assigned, world.now),
@@ -334,6 +346,8 @@ def decide(world: World) -> Plan:
         }
         if wanted_missing_since:  # left out, it is removed: the field is ours alone
             status["missingSince"] = wanted_missing_since
+        if wanted_ref[0]:
+            status["assignedNamespaceRef"] = {"name": wanted_ref[0], "uid": wanted_ref[1]}
         plan.writes.append(
             ApplyNodeDeviceStatus(
                 {"apiVersion": API_VERSION, "kind": NODE_PCI_DEVICE.kind, "metadata": {"name": npci.name}, "status": status}
@@ -412,7 +426,7 @@ def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, A
 
 
 def _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready,
-                        conflict) -> Cond:  # fmt: skip
+                        conflict, recreated) -> Cond:  # fmt: skip
     held = [(d.namespace, referenced[d.namespace]) for d in lingering if referenced[d.namespace]]
     holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
     if not target:
@@ -431,6 +445,10 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, will
         return Cond("False", "Available",
                     f"The device has been missing from node {npci.node_name}{since}, longer than the {format_duration(world.grace)} grace period, "
                     f"so its PCIDevice in {target} was removed; it is assigned again when the device returns.")
+    if recreated:
+        return Cond("False", "NamespaceRecreated",
+                    f"Namespace {target} was deleted and created again since the device was assigned to it; the new one "
+                    f"does not inherit it. To give it to the new {target}, clear spec.assignedNamespace and set it again.")
     if conflict:
         other, namespace = conflict
         group = npci.attributes.get("iommuGroup", "?")

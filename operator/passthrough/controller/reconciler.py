@@ -118,7 +118,7 @@ class Reconciler:
             namespaces.add(node_devices[0].assigned_namespace)
         vm_index = self.indices.get(VM_REFERENCES)
         referencing = {ns: tuple(sorted(set(_values(vm_index, (ns, resource))))) for ns in namespaces}
-        phases = {ns: phase for ns in namespaces for phase in _values(self.indices[NAMESPACES], ns)[:1]}
+        found = {ns: seen for ns in namespaces for seen in _values(self.indices[NAMESPACES], ns)[:1]}
         npci = node_devices[0] if node_devices else None
         return lifecycle.World(
             name=name,
@@ -126,7 +126,8 @@ class Reconciler:
             group=self.group_of(npci) if npci else {},
             allow_list_problem=self.unapplied.get(name, ""),
             devices=devices,
-            namespaces=phases,
+            namespaces={ns: phase for ns, (phase, _) in found.items()},
+            namespace_uids={ns: uid for ns, (_, uid) in found.items()},
             referencing_vms={ns: vms for ns, vms in referencing.items() if vms},
             now=datetime.datetime.now(datetime.UTC),
             grace=self.grace(),
