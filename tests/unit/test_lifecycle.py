@@ -85,7 +85,7 @@ def settle(w: lc.World) -> lc.World:
             conds = {c["type"]: Cond.of(c) for c in write.body["status"]["conditions"]}
             npci = lc.NodeDevice(**{**npci.__dict__, "assigned": conds["Assigned"], "attached": conds["Attached"],
                                     "missing_since": write.body["status"].get("missingSince", ""),
-                                    "handed_to": tuple((write.body["status"].get("assignedNamespaceRef") or {"name": "", "uid": ""}).values())})  # fmt: skip
+                                    "handed_to": lc.NodeDevice.of({"metadata": {"name": NAME}, "status": write.body["status"]}).handed_to})  # fmt: skip
         elif isinstance(write, lc.ApplyNodeDeviceFinalizer):
             if npci.deleting and set(write.body["metadata"]["finalizers"]) - set(npci.finalizers):
                 raise AssertionError("a finalizer planned onto the deleting NodePCIDevice")

@@ -52,6 +52,7 @@ class NodeDevice:
         meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
         conditions = {c.get("type"): c for c in status.get("conditions") or []}
         attributes = dict(status.get("attributes") or {})
+        handed = status.get("assignedNamespaceRef") or {}
         return cls(
             name=meta["name"],
             uid=meta.get("uid", ""),
@@ -67,7 +68,7 @@ class NodeDevice:
             resource_name=status.get("resourceName") or "",
             mode=status.get("mode") or "",
             missing_since=status.get("missingSince") or "",
-            handed_to=((status.get("assignedNamespaceRef") or {}).get("name", ""), (status.get("assignedNamespaceRef") or {}).get("uid", "")),
+            handed_to=(handed.get("name", ""), handed.get("uid", "")),
         )
 
 
