@@ -427,3 +427,30 @@ def test_moving_a_device_to_another_namespace_is_no_recreation():
     moved = dataclasses.replace(handed, node_device=lc.NodeDevice(**{**handed.node_device.__dict__, "assigned_namespace": "team-b"}))
     after = converge(moved)
     assert [d.namespace for d in after.devices] == ["team-b"] and after.node_device.handed_to == ("team-b", "uid-b")
+
+
+def test_a_device_reassigned_while_a_vm_holds_it_says_so_in_the_new_namespace_and_never_double_books():
+    vms = {"team-a": ("vm-1",)}
+    settled = converge(world(node_device("team-a"), vms=vms))
+    moved = converge(dataclasses.replace(
+        settled, node_device=lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": "team-b"})))
+    new = {d.namespace: d for d in moved.devices}["team-b"]
+    attached = next(c for c in new.status["conditions"] if c["type"] == "Attached")
+    assert (attached["status"], attached["reason"]) == ("False", "HeldElsewhere")
+    assert "team-a/vm-1" in attached["message"] and new.status["attachedTo"] == ""
+    # A VM of team-b lists it meanwhile: it waits, and nothing claims it for two namespaces without a Warning.
+    both = dataclasses.replace(moved, referencing_vms={"team-a": ("vm-1",), "team-b": ("vm-2",)})
+    plan = lc.decide(both)
+    [status] = of(plan, lc.ApplyDeviceStatus)
+    attached = next(c for c in status.body["status"]["conditions"] if c["type"] == "Attached")
+    assert (attached["status"], attached["reason"]) == ("False", "WaitingForRelease")
+    assert "team-a/vm-1" in attached["message"] and "team-b/vm-2" in attached["message"]
+    node_attached = npci_conditions(plan)["Attached"]
+    assert "team-a/vm-1" in node_attached["message"] and "team-b/vm-2 waits" in node_attached["message"]
+    assert any(e.type == "Warning" and e.reason == "WaitingForRelease" for e in plan.events)
+    assert not any(e.type == "Normal" and e.reason == "Attached" for e in plan.events)
+    # vm-1 lets go: vm-2 has it, as an ordinary attachment.
+    released = converge(dataclasses.replace(settle(both), referencing_vms={"team-b": ("vm-2",)}))
+    new = {d.namespace: d for d in released.devices}["team-b"]
+    assert next(c for c in new.status["conditions"] if c["type"] == "Attached")["reason"] == "AttachedToVirtualMachine"
+    assert released.node_device.attached.message == "Used by VirtualMachine team-b/vm-2."

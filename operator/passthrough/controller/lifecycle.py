@@ -285,6 +285,10 @@ def decide(world: World) -> Plan:
     # Of those, the ones that outlive this plan: a VM holds them (or their namespace is going).
     lingering = [d for d in leaving if referenced[d.namespace] or (d.namespace == target and phase == "Terminating")]
 
+    # VMs of another namespace that still hold the device (reassigned under them): until they
+    # let go, VMs of the target namespace wait, and both objects say so.
+    held_elsewhere = {d.namespace: referenced[d.namespace] for d in lingering if d.namespace != target and referenced[d.namespace]}
+
     # The PCIDevice in the target namespace, and its status.
     will_exist = usable and (current is None or not current.deleting)
     if will_exist:
@@ -292,7 +296,7 @@ def decide(world: World) -> Plan:
         wanted = device_metadata(npci, target, finalizer=bool(vms))
         if current is None or _metadata_differs(current, wanted):
             plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
-        status = _device_status(npci, current, vms, world.now)
+        status = _device_status(npci, current, vms, world.now, held_elsewhere)
         if current is None or _status_differs(current.status, status):
             plan.writes.append(
                 ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status})
@@ -333,7 +337,9 @@ def decide(world: World) -> Plan:
 
     assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready,
                                    conflict, recreated)  # fmt: skip
-    attached = _attached_condition(attached_anywhere)
+    waiting = world.referencing_vms.get(target, ()) if will_exist and held_elsewhere else ()
+    claims = {ns: vms for ns, vms in attached_anywhere.items() if not (waiting and ns == target)}
+    attached = _attached_condition(claims, (target, waiting) if waiting else None)
     # Recorded once handed out; kept while the namespace is away or was made anew; cleared with
     # the assignment (the admin assigning again is what gives the device to a new namespace).
     wanted_ref = ("", "") if not target else ((target, target_uid) if will_exist and target_uid else npci.handed_to)
@@ -359,15 +365,21 @@ def decide(world: World) -> Plan:
             warning = assigned.reason == "Available" and bool(target)
             plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning" if warning else "Normal", assigned.reason, assigned.message))
         if not attached.same(npci.attached) and (npci.attached is not None or attached.status == "True"):
-            reason = "Attached" if attached.status == "True" else "Detached"
-            plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Normal", reason, attached.message))
+            if waiting:  # two namespaces want it at once: never without a Warning
+                plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning", "WaitingForRelease", attached.message))
+            else:
+                reason = "Attached" if attached.status == "True" else "Detached"
+                plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Normal", reason, attached.message))
 
     if missing and usable and missing_since is not None:
         plan.requeue_after = max(1.0, (missing_since + world.grace - world.now).total_seconds())
     return plan
 
 
-def _device_status(npci: NodeDevice, current: Device | None, vms: tuple[str, ...], now: datetime.datetime) -> dict[str, Any]:
+def _device_status(
+    npci: NodeDevice, current: Device | None, vms: tuple[str, ...], now: datetime.datetime,
+    held_elsewhere: Mapping[str, tuple[str, ...]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
     # Ready is the node's word, transition time included.
     if npci.ready and npci.ready.lastTransitionTime:
@@ -375,16 +387,27 @@ def _device_status(npci: NodeDevice, current: Device | None, vms: tuple[str, ...
     else:
         unreported = Cond("Unknown", "NotReady", f"The agent on node {npci.node_name or '?'} has not reported this device yet.")
         ready = condition("Ready", npci.ready or unreported, old.get("Ready"), now)
-    attached = (
-        Cond("True", "AttachedToVirtualMachine", f"Used by {_vm_list(npci.assigned_namespace, vms)}.")
-        if vms
-        else Cond("False", "Available", f"No VirtualMachine uses it; set deviceName {exclusive_resource_name(npci.name)} in a VM's hostDevices.")
-    )
+    resource = exclusive_resource_name(npci.name)
+    if held_elsewhere:
+        holders = "; ".join(_vm_list(ns, held) for ns, held in sorted(held_elsewhere.items()))
+        attached = (
+            Cond("False", "WaitingForRelease",
+                 f"Still held by {holders}, in the device's previous namespace; {_vm_list(npci.assigned_namespace, vms)} "
+                 "waits (its launcher pod stays Pending) until that VM drops it from its spec.")
+            if vms
+            else Cond("False", "HeldElsewhere",
+                      f"Still held by {holders}, in the device's previous namespace; a VM here that lists {resource} "
+                      "waits until that VM drops it from its spec.")
+        )  # fmt: skip
+    elif vms:
+        attached = Cond("True", "AttachedToVirtualMachine", f"Used by {_vm_list(npci.assigned_namespace, vms)}.")
+    else:
+        attached = Cond("False", "Available", f"No VirtualMachine uses it; set deviceName {resource} in a VM's hostDevices.")
     return {
         "attributes": dict(npci.attributes),
         "nodeName": npci.node_name,
-        "resourceName": exclusive_resource_name(npci.name),
-        "attachedTo": ", ".join(vms),
+        "resourceName": resource,
+        "attachedTo": "" if held_elsewhere else ", ".join(vms),
         "conditions": [
             ready,
             condition("Attached", attached, old.get("Attached"), now),
@@ -421,8 +444,12 @@ def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, A
         ready = new["Ready"]
         events.append(Event(PCI_DEVICE.kind, namespace, "Normal" if ready.status == "True" else "Warning", ready.reason, ready.message))
     if current is not None and not new["Attached"].same(old.get("Attached")):
-        events.append(Event(PCI_DEVICE.kind, namespace, "Normal",
-                            "Attached" if new["Attached"].status == "True" else "Detached", new["Attached"].message))
+        reason = new["Attached"].reason
+        if reason in ("WaitingForRelease", "HeldElsewhere"):
+            events.append(Event(PCI_DEVICE.kind, namespace, "Warning", reason, new["Attached"].message))
+        else:
+            events.append(Event(PCI_DEVICE.kind, namespace, "Normal",
+                                "Attached" if new["Attached"].status == "True" else "Detached", new["Attached"].message))
     return events
 
 
@@ -477,8 +504,12 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, will
     return Cond("True", "Assigned", message)
 
 
-def _attached_condition(attached: Mapping[str, tuple[str, ...]]) -> Cond:
+def _attached_condition(attached: Mapping[str, tuple[str, ...]], waiting: tuple[str, tuple[str, ...]] | None = None) -> Cond:
+    """`waiting`: (namespace, VMs) that list the device but wait for the VMs holding it elsewhere."""
     if not attached:
         return Cond("False", "Available", "No VirtualMachine uses this device.")
     users = "; ".join(_vm_list(ns, vms) for ns, vms in sorted(attached.items()))
+    if waiting:
+        return Cond("True", "AttachedToVirtualMachine",
+                    f"Used by {users}; {_vm_list(*waiting)} waits for it to be released.")
     return Cond("True", "AttachedToVirtualMachine", f"Used by {users}.")
