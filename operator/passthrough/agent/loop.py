@@ -215,19 +215,19 @@ class Agent:
         outcome = Outcome()
         if self.handover is not None:
             discovery, outcome = await self._hand_over(discovery)
-        found: set[str] = set()
+        names: dict[str, str] = {}  # address -> object name, of the devices found
         jobs = []
         for device in discovery.devices:
             if not device.reported:
                 continue
-            name = report.object_name(device, self.node_name)
-            found.add(name)
+            name = names[device.address] = report.object_name(device, self.node_name)
             jobs.append(self._report_present(name, device, node, result, outcome.failures.get(device.address)))
+        found = set(names.values())
         for name, live in list(self.mirror.objects.items()):
             if name not in found and not live["metadata"].get("deletionTimestamp"):
                 jobs.append(self._report_missing(name, live, result))
         await asyncio.gather(*jobs)
-        self._tell(outcome)  # after the reports, so a device seen for the first time has its object
+        self._tell(outcome, names)  # after the reports, so a device seen for the first time has its object
         result.devices = len(found)
         self.writes += result.writes
         if result.writes:
@@ -264,31 +264,29 @@ class Agent:
                 self._again = asyncio.get_running_loop().call_later(HELD_RECHECK, self._wake.set)
         return discovery, outcome
 
-    def _tell(self, outcome: Outcome) -> None:
+    def _tell(self, outcome: Outcome, names: dict[str, str]) -> None:
         """Log and post an Event for every move and every new failure; repeats stay quiet."""
         for group, members in outcome.bound.items():
             log.info("bound IOMMU group %d (%s) to vfio-pci", group, ", ".join(members))
             for address in members:
-                self._event(address, "Normal", "BoundToVfio",
+                self._event(names.get(address), "Normal", "BoundToVfio",
                             f"{address} (IOMMU group {group}) is bound to vfio-pci, ready for a VM")
         for group, members in outcome.released.items():
             log.info("gave IOMMU group %d (%s) back to its drivers", group, ", ".join(members))
             for address in members:
-                self._event(address, "Normal", "GivenBack",
+                self._event(names.get(address), "Normal", "GivenBack",
                             f"{address} (IOMMU group {group}) left passthrough and is back with its default driver")
         for address, exc in {**outcome.release_failures, **outcome.failures}.items():
             message = str(exc)
             if self._bind_failures.get(address) != message:
                 self._bind_failures[address] = message
                 log.warning("%s: %s", address, message)
-                self._event(address, "Warning", getattr(exc, "reason", "BindFailed"), message)
+                self._event(names.get(address), "Warning", getattr(exc, "reason", "BindFailed"), message)
         for address in list(self._bind_failures):
             if address not in outcome.failures and address not in outcome.release_failures:
                 del self._bind_failures[address]
 
-    def _event(self, address: str, type_: str, reason: str, message: str) -> None:
-        name = next((n for n, o in self.mirror.objects.items()
-                     if o.get("status", {}).get("attributes", {}).get("pciAddress") == address), None)
+    def _event(self, name: str | None, type_: str, reason: str, message: str) -> None:
         live = self.mirror.objects.get(name or "")
         if live is None:
             return
