@@ -647,6 +647,10 @@ class KubeletNode:
                 {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0},
             )
         self._api.call("DELETE", f"/api/v1/nodes/{self.node_name}")
+        # Its devices outlive a deleted Node (kept for one that registers again): a test's node is done.
+        selector = urllib.parse.quote(f"passthrough.io/node={self.node_name}")
+        with contextlib.suppress(urllib.error.HTTPError):
+            self._api.call("DELETE", f"/apis/passthrough.io/v1alpha1/nodepcidevices?labelSelector={selector}")
 
 
 def _host_mount_points() -> list[str]:

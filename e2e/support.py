@@ -21,8 +21,8 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.agent import report
-from passthrough.api.models import NODE_PCI_DEVICE
-from passthrough.k8s import AGENT_MANAGER, Custom
+from passthrough.api.models import GROUP, NODE_PCI_DEVICE, VERSION
+from passthrough.k8s import AGENT_MANAGER, NODE_LABEL, Custom
 from passthrough.pci.discovery import Device
 
 WRITE_VERBS = ("APPLY", "PATCH", "POST", "PUT", "DELETE")
@@ -95,6 +95,20 @@ async def ensure_node(api: client.ApiClient, name: str) -> report.Node:
             raise
         node = await core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=name)))
     return report.Node(name=name, uid=node.metadata.uid)
+
+
+async def remove_node(api: client.ApiClient, name: str) -> None:
+    """A test's teardown: delete the Node and its NodePCIDevices.
+
+    Deleting a Node no longer takes its devices with it (the operator keeps them for the grace
+    period, for a node that registers again), so a test that is done with a node removes them.
+    """
+    with contextlib.suppress(ApiException):
+        await client.CoreV1Api(api).delete_node(name)
+    with contextlib.suppress(ApiException):
+        await client.CustomObjectsApi(api).delete_collection_cluster_custom_object(
+            GROUP, VERSION, NODE_PCI_DEVICE.plural, label_selector=f"{NODE_LABEL}={name}"
+        )
 
 
 def gpu(address: str, vendor: str = "10de", device: str = "2236", name: str = "GA102GL [A10]", resource: str = "nvidia.com/GA102GL_A10",

@@ -45,7 +45,7 @@ async def node(api, unique):
     node = await support.ensure_node(api, f"node-{unique}")
     yield node
     with contextlib.suppress(client.exceptions.ApiException):
-        await client.CoreV1Api(api).delete_node(node.name)
+        await support.remove_node(api, node.name)
 
 
 @pytest.fixture(scope="session")

@@ -152,7 +152,7 @@ async def setup(api, cluster, webhooks, tmp_path_factory):
     for namespace in (a.namespace, b.namespace):
         await core.delete_namespace(namespace)
     for node in (node1, node2):
-        await core.delete_node(node.name)
+        await support.remove_node(api, node.name)
 
 
 async def ready(pcidevices: Custom, name: str, namespace: str) -> bool:

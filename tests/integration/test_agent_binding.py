@@ -28,7 +28,7 @@ async def gpu_mode_node(api, unique):
     await client.CoreV1Api(api).patch_node(node.name, {"metadata": {"labels": {"passthrough.io/gpu-passthrough": "true"}}})
     yield node
     with contextlib.suppress(client.exceptions.ApiException):
-        await client.CoreV1Api(api).delete_node(node.name)
+        await support.remove_node(api, node.name)
 
 
 async def ready_of(api, node: str) -> dict[str, dict]:

@@ -30,7 +30,7 @@ from passthrough.api import crds
 from passthrough.api.models import PassthroughConfigSpec
 from passthrough.controller.lifecycle import FINALIZER
 from passthrough.k8s import NODE_LABEL, VFIO_LABEL, Custom
-from passthrough.kubevirt.render import parse_values
+from passthrough.kubevirt.values import parse_values
 from passthrough.pci.naming import exclusive_resource_name
 
 pytestmark = pytest.mark.cluster
@@ -310,7 +310,7 @@ async def node(api, release):
     node = await support.ensure_node(api, f"{release['name']}-node")
     yield node
     with contextlib.suppress(client.exceptions.ApiException):
-        await client.CoreV1Api(api).delete_node(node.name)
+        await support.remove_node(api, node.name)
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ async def test_a_uevent_leads_to_a_scan_that_reports_the_new_device(api, unique,
         await asyncio.gather(*running, return_exceptions=True)
         kernel.close()
         with contextlib.suppress(client.exceptions.ApiException):
-            await client.CoreV1Api(api).delete_node(node.name)
+            await support.remove_node(api, node.name)
 
 
 async def _with(found, address):

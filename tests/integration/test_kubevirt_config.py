@@ -197,7 +197,7 @@ async def test_assigned_devices_get_their_exclusive_entry(api, kinds, config, ku
         wanted = {"pciVendorSelector": "10DE:2236", "resourceName": f"passthrough.io/{name}", "externalResourceProvider": True}
         await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted in pci_list(o), "exclusive entry")
     finally:
-        await client.CoreV1Api(api).delete_node(node.name)
+        await support.remove_node(api, node.name)
     await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted not in pci_list(o), "exclusive entry gone with the device", 60)
 
 
@@ -225,7 +225,7 @@ async def test_a_stray_pcidevice_adds_no_entry_and_cannot_freeze_the_sync(api, k
         config_obj = await configs.get("cluster")
         assert condition(config_obj, "Valid").get("status") != "False", config_obj["status"]
     finally:
-        await client.CoreV1Api(api).delete_node(node.name)
+        await support.remove_node(api, node.name)
 
 
 async def test_a_device_assigned_while_the_values_are_invalid_says_its_entry_is_not_applied(
@@ -260,7 +260,7 @@ async def test_a_device_assigned_while_the_values_are_invalid_says_its_entry_is_
         await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted in pci_list(o), "the entry applied")
         await support.wait_for(lambda: assigned_reason("Assigned"), 20, what="Assigned once the values are fixed")
     finally:
-        await client.CoreV1Api(api).delete_node(node.name)
+        await support.remove_node(api, node.name)
 
 
 async def test_a_node_with_an_older_pci_ids_is_reported_before_a_vm_fails(api, kinds, config, kubevirt_ns, unique, tmp_path):
@@ -287,4 +287,4 @@ async def test_a_node_with_an_older_pci_ids_is_reported_before_a_vm_fails(api, k
         assert cond["status"] == "False" and old.name in cond["message"]
     finally:
         for node in (new, old):
-            await client.CoreV1Api(api).delete_node(node.name)
+            await support.remove_node(api, node.name)

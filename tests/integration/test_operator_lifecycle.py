@@ -34,7 +34,7 @@ async def gpu_device(api, unique, operator):
     node = await support.ensure_node(api, f"node-{unique}")
     name = await support.report_device(api, node, support.gpu("0000:3b:00.0"))
     yield node, name
-    await client.CoreV1Api(api).delete_node(node.name)
+    await support.remove_node(api, node.name)
 
 
 async def condition_of(kind: Custom, name: str, type_: str, namespace: str | None = None) -> dict:

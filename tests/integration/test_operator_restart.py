@@ -71,6 +71,6 @@ async def test_operator_killed_mid_way_through_200_assignments_converges(api, cl
         await support.wait_for(converged, 120, interval=0.5, what="all 200 devices in the right namespace, once")
     finally:
         operator.stop()
-        await core.delete_node(node.name)
+        await support.remove_node(api, node.name)
         for ns in (first, second):
             await core.delete_namespace(ns)

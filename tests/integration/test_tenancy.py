@@ -65,7 +65,7 @@ async def nodes(api, release):
     yield SimpleNamespace(one=one, two=two)
     for node in (one, two):
         with contextlib.suppress(ApiException):
-            await client.CoreV1Api(api).delete_node(node.name)
+            await support.remove_node(api, node.name)
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,17 @@ def test_transition_time_moves_only_when_the_status_flips():
     assert flipped["status"]["conditions"][0]["lastTransitionTime"] != "2026-01-01T00:00:00Z"
 
 
-def test_identity_owns_the_object_by_its_node():
+def test_identity_names_the_node_but_is_not_owned_by_it():
+    # Owned by its Node, `kubectl delete node` made the garbage collector take the admin's
+    # assignments with it; a node that registers again (a new uid) must keep them.
     body = report.identity("pci-x", NODE)
-    assert body["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": "gpu-1", "uid": "node-uid"}]
+    assert "ownerReferences" not in body["metadata"]
+    assert body["metadata"]["labels"] == {"passthrough.io/node": "gpu-1"}
     assert report.has_identity(body, NODE)
-    assert not report.has_identity(body, report.Node("gpu-1", "a-new-uid"))  # the Node was re-created
+    assert report.has_identity(body, report.Node("gpu-1", "a-new-uid"))  # the Node was re-created
+
+
+def test_an_object_an_older_agent_gave_to_its_node_is_applied_again():
+    live = report.identity("pci-x", NODE)
+    live["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": "gpu-1", "uid": "node-uid"}]
+    assert not report.has_identity(live, NODE)  # the apply without the field removes it

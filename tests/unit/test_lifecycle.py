@@ -189,7 +189,7 @@ def test_ready_is_mirrored_with_its_transition_time():
 def test_an_unassigned_device_gone_from_its_node_is_deleted():
     lost = Cond("False", "NotFound", "gone", "2026-11-29T11:59:00Z")
     plan = lc.decide(world(node_device("", ready=lost)))
-    assert of(plan, lc.DeleteNodeDevice) == [lc.DeleteNodeDevice("npci-uid")]
+    assert of(plan, lc.DeleteNodeDevice) == [lc.DeleteNodeDevice("npci-uid", "10")]  # guarded by its version
 
 
 def gone(settled: lc.World, since: str, now=NOW) -> lc.World:
@@ -454,3 +454,70 @@ def test_a_device_reassigned_while_a_vm_holds_it_says_so_in_the_new_namespace_an
     new = {d.namespace: d for d in released.devices}["team-b"]
     assert next(c for c in new.status["conditions"] if c["type"] == "Attached")["reason"] == "AttachedToVirtualMachine"
     assert released.node_device.attached.message == "Used by VirtualMachine team-b/vm-2."
+
+
+# -- a deleted Node ---------------------------------------------------------------------------
+
+
+def node_away(w: lc.World, since: str = "", now=NOW) -> lc.World:
+    """`w` with the device's Node deleted, the operator having seen it go at `since` ("" not yet)."""
+    npci = lc.NodeDevice(**{**w.node_device.__dict__, "missing_since": since})
+    return dataclasses.replace(w, node_device=npci, node_present=False, now=now)
+
+
+def test_a_deleted_node_keeps_its_assignments_and_pcidevices_for_the_grace_period():
+    settled = converge(world(node_device("team-a")))
+    plan = lc.decide(node_away(settled))
+    assert of(plan, lc.DeleteDevice) == [] and of(plan, lc.DeleteNodeDevice) == []
+    [write] = of(plan, lc.ApplyNodeDeviceStatus)
+    assert write.body["status"]["missingSince"] == "2026-11-29T12:00:00Z"
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("True", "NodeGone")
+    assert "Node gpu-1 was deleted" in assigned["message"] and "until 2026-11-29T12:10:00Z" in assigned["message"]
+    # Warnings for the admin (the NodePCIDevice) and the tenant (in team-a).
+    assert sorted((e.kind, e.namespace, e.type, e.reason) for e in plan.events) == [
+        ("NodePCIDevice", "", "Warning", "NodeGone"), ("PCIDevice", "team-a", "Warning", "NodeGone")]
+    # The tenant's PCIDevice says so too.
+    [status] = of(plan, lc.ApplyDeviceStatus)
+    ready = next(c for c in status.body["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "NodeGone")
+    assert plan.requeue_after == pytest.approx(10 * 60)
+    assert lc.decide(settle(node_away(settled))).writes == []  # recorded once, then quiet
+
+
+def test_a_node_that_registers_again_within_the_grace_period_keeps_everything():
+    settled = converge(world(node_device("team-a")))
+    away = converge(node_away(settled))
+    back = dataclasses.replace(away, node_present=True, now=NOW + datetime.timedelta(minutes=3))
+    plan = lc.decide(back)
+    assert of(plan, lc.DeleteDevice) == [] and of(plan, lc.DeleteNodeDevice) == []
+    assert "missingSince" not in of(plan, lc.ApplyNodeDeviceStatus)[0].body["status"]
+    assert npci_conditions(plan)["Assigned"]["reason"] == "Assigned"
+    [status] = of(plan, lc.ApplyDeviceStatus)
+    assert next(c for c in status.body["status"]["conditions"] if c["type"] == "Ready")["reason"] == "Ready"
+
+
+def test_the_devices_of_a_node_that_stays_gone_are_collected_after_the_grace_period():
+    settled = converge(world(node_device("team-a")))
+    plan = lc.decide(node_away(converge(node_away(settled)), since="2026-11-29T11:45:00Z"))
+    assert of(plan, lc.DeleteNodeDevice) == [lc.DeleteNodeDevice("npci-uid", "10")]
+    [event] = [e for e in plan.events if e.reason == "Collected"]
+    assert event.type == "Warning" and "assigned to team-a" in event.message and "10m00s grace period" in event.message
+
+
+def test_an_unassigned_device_of_a_deleted_node_waits_out_the_grace_period_too():
+    plan = lc.decide(node_away(world(node_device(""))))
+    assert of(plan, lc.DeleteNodeDevice) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "NodeGone")
+    assert plan.requeue_after == pytest.approx(10 * 60)
+    expired = lc.decide(node_away(world(node_device("", missing_since="2026-11-29T11:45:00Z")), since="2026-11-29T11:45:00Z"))
+    assert of(expired, lc.DeleteNodeDevice) == [lc.DeleteNodeDevice("npci-uid", "10")]
+
+
+def test_a_device_of_a_deleted_node_is_not_handed_out_until_the_node_is_back():
+    plan = lc.decide(node_away(world(node_device("team-a"))))
+    assert of(plan, lc.ApplyDevice) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "NodeGone")
+    assert "goes to team-a once the node is back" in assigned["message"]

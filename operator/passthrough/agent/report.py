@@ -30,24 +30,24 @@ def object_name(device: Device, node: str) -> str:
 
 
 def identity(name: str, node: Node) -> dict[str, Any]:
-    """The object itself: name, node label, and the Node as owner (its deletion removes us)."""
+    """The object itself: name and node label.
+
+    No ownerReference to the Node: deleting a Node (remediation, a node that registers again)
+    must not take the admin's assignments with it. The operator collects the devices of a node
+    that stays gone, after the grace period. An apply without the field also removes the Node
+    ownerReference that earlier versions of the agent set.
+    """
     return {
         "apiVersion": API_VERSION,
         "kind": NODE_PCI_DEVICE.kind,
-        "metadata": {
-            "name": name,
-            "labels": {NODE_LABEL: node.name},
-            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid}],
-        },
+        "metadata": {"name": name, "labels": {NODE_LABEL: node.name}},
     }
 
 
 def has_identity(live: dict[str, Any], node: Node) -> bool:
     meta = live.get("metadata", {})
     owners = meta.get("ownerReferences") or []
-    return meta.get("labels", {}).get(NODE_LABEL) == node.name and any(
-        o.get("kind") == "Node" and o.get("uid") == node.uid for o in owners
-    )
+    return meta.get("labels", {}).get(NODE_LABEL) == node.name and not any(o.get("kind") == "Node" for o in owners)
 
 
 def resource_and_mode(device: Device, name: str, assigned_namespace: str) -> tuple[str, str]:

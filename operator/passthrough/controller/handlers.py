@@ -41,7 +41,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     memo.api = await connect(memo.get("kubeconfig"))
     indices = {
         name: kwargs[name]
-        for name in (rec.NODE_DEVICES, rec.DEVICES, rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS, rec.GROUPS)
+        for name in (rec.NODE_DEVICES, rec.DEVICES, rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS, rec.GROUPS,
+                     rec.NODES)
     }
     memo.reconciler = rec.Reconciler(
         memo.api, indices, default_grace=memo.get("grace", datetime.timedelta(minutes=10)), workers=memo.get("workers", 64)
@@ -96,6 +97,17 @@ async def iommu_groups_index(name: str, status: kopf.Status, **_: Any) -> dict[t
 async def devices_by_namespace_index(name: str, spec: kopf.Spec, **_: Any) -> dict[str, str] | None:
     namespace = spec.get("assignedNamespace")
     return {namespace: name} if namespace else None
+
+
+@kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id="devices_by_node")
+async def devices_by_node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, str] | None:
+    node = NodeDevice.of(body).node_name
+    return {node: name} if node else None
+
+
+@kopf.index("", "v1", "nodes", id=rec.NODES)
+async def nodes_index(name: str, uid: str, **_: Any) -> dict[str, str]:
+    return {name: uid}
 
 
 @kopf.index(GROUP, VERSION, PCI_DEVICE.plural, id=rec.DEVICES)
@@ -172,10 +184,18 @@ async def namespace_event(name: str, memo: kopf.Memo, devices_by_namespace: kopf
     await _enqueue(memo, list(devices_by_namespace.get(name, [])))
 
 
+@kopf.on.event("", "v1", "nodes")
+async def node_event(name: str, type: str | None, memo: kopf.Memo, devices_by_node: kopf.Index, **_: Any) -> None:
+    # Only a Node's coming and going matters here; its status heartbeats do not.
+    if type in ("ADDED", "DELETED"):
+        await _enqueue(memo, list(devices_by_node.get(name, [])))
+
+
 @kopf.on.event(GROUP, VERSION, PASSTHROUGH_CONFIG.plural)
 async def config_event(name: str, memo: kopf.Memo, node_devices: kopf.Index, **_: Any) -> None:
     if name != CONFIG_NAME:
         return
     # The grace period may have changed: devices waiting on it decide again.
-    await _enqueue(memo, [key for key, store in node_devices.items() if any(d.ready and d.ready.reason == "NotFound" for d in store)])
+    await _enqueue(memo, [key for key, store in node_devices.items()
+                          if any(d.missing_since or (d.ready and d.ready.reason == "NotFound") for d in store)])
     memo.reconciler.sync_kubevirt_soon()

@@ -119,6 +119,9 @@ class World:
     # Why KubeVirt's allow-list lacks its exclusive entry ("" when it has it, or is not ours).
     allow_list_problem: str = ""
     namespace_uids: Mapping[str, str] = field(default_factory=dict)  # name -> uid, of the namespaces above
+    # Whether the device's Node exists. A deleted Node no longer takes its devices with it: its
+    # devices wait out the grace period for a node that registers again under the same name.
+    node_present: bool = True
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -156,6 +159,7 @@ class ApplyNodeDeviceStatus:
 @dataclass(frozen=True)
 class DeleteNodeDevice:
     uid: str
+    resource_version: str = ""  # the version decided on: a node that came back meanwhile changed it
 
 
 @dataclass(frozen=True)
@@ -243,9 +247,11 @@ def decide(world: World) -> Plan:
                 plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
         return plan
 
-    missing = npci.ready is not None and npci.ready.reason == "NotFound"
-    # Counted from when this operator first saw it NotFound, by its own clock: Ready's transition
-    # time is the node's clock, and it does not move when NotReady turns into NotFound.
+    node_gone = not world.node_present
+    missing = node_gone or (npci.ready is not None and npci.ready.reason == "NotFound")
+    # Counted from when this operator first saw it NotFound (or its Node gone), by its own clock:
+    # Ready's transition time is the node's clock, and it does not move when NotReady turns into
+    # NotFound.
     missing_since = (parse_timestamp(npci.missing_since) or world.now) if missing else None
     expired = missing and world.now - missing_since >= world.grace
     wanted_missing_since = timestamp(missing_since) if missing_since else ""
@@ -260,7 +266,7 @@ def decide(world: World) -> Plan:
     handed_name, handed_uid = npci.handed_to
     recreated = bool(target and handed_name == target and handed_uid and target_uid and handed_uid != target_uid)
     handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
-    not_ready = bool(target) and not handed_out and not (npci.ready is not None and npci.ready.status == "True")
+    not_ready = bool(target) and not handed_out and (node_gone or not (npci.ready is not None and npci.ready.status == "True"))
     # A group member assigned elsewhere blocks a new hand-out; one already handed out stays.
     conflict = next(((other, ns) for other, ns in sorted(world.group.items()) if ns and ns != target), None)
     conflict = conflict if target and not handed_out else None
@@ -296,7 +302,8 @@ def decide(world: World) -> Plan:
         wanted = device_metadata(npci, target, finalizer=bool(vms))
         if current is None or _metadata_differs(current, wanted):
             plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
-        status = _device_status(npci, current, vms, world.now, held_elsewhere)
+        gone_since = _node_gone_note(npci, world, missing_since) if node_gone else ""
+        status = _device_status(npci, current, vms, world.now, held_elsewhere, gone_since)
         if current is None or _status_differs(current.status, status):
             plan.writes.append(
                 ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status})
@@ -312,9 +319,17 @@ def decide(world: World) -> Plan:
                 wanted = {**device.metadata, "finalizers": []}
                 plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
 
-    # The NodePCIDevice: deleted when it is unassigned and gone from its node.
-    if missing and not npci.assigned_namespace and not npci.deleting and not lingering and current is None:
-        plan.writes.append(DeleteNodeDevice(npci.uid))
+    # The NodePCIDevice: deleted when it is unassigned and gone from its node, or when its Node
+    # has stayed gone longer than the grace period (assigned or not: the admin is told).
+    if node_gone and expired and not npci.deleting:
+        plan.writes.append(DeleteNodeDevice(npci.uid, npci.resource_version))
+        was = f"; it was assigned to {npci.assigned_namespace}, assign it again if the node returns" if npci.assigned_namespace else ""
+        plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning", "Collected",
+                                 f"Node {npci.node_name} has been gone since {timestamp(missing_since)}, longer than the "
+                                 f"{format_duration(world.grace)} grace period: NodePCIDevice {npci.name} removed{was}."))
+        return plan
+    if missing and not node_gone and not npci.assigned_namespace and not npci.deleting and not lingering and current is None:
+        plan.writes.append(DeleteNodeDevice(npci.uid, npci.resource_version))
         return plan
 
     attached_anywhere = {ns: vms for ns, vms in referenced.items() if vms}
@@ -362,7 +377,7 @@ def decide(world: World) -> Plan:
         )
         # A new device starting out unassigned is not news; every later transition is.
         if not assigned.same(npci.assigned) and (npci.assigned is not None or target):
-            warning = assigned.reason == "Available" and bool(target)
+            warning = (assigned.reason == "Available" and bool(target)) or assigned.reason == "NodeGone"
             plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning" if warning else "Normal", assigned.reason, assigned.message))
         if not attached.same(npci.attached) and (npci.attached is not None or attached.status == "True"):
             if waiting:  # two namespaces want it at once: never without a Warning
@@ -371,18 +386,28 @@ def decide(world: World) -> Plan:
                 reason = "Attached" if attached.status == "True" else "Detached"
                 plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Normal", reason, attached.message))
 
-    if missing and usable and missing_since is not None:
+    if missing and (usable or node_gone) and missing_since is not None:
         plan.requeue_after = max(1.0, (missing_since + world.grace - world.now).total_seconds())
     return plan
 
 
+def _node_gone_note(npci: NodeDevice, world: World, since: datetime.datetime | None) -> str:
+    since = since or world.now
+    return (f"Node {npci.node_name or '?'} was deleted ({timestamp(since)}); the device is kept for a node that registers "
+            f"again under that name until {timestamp(since + world.grace)} (the {format_duration(world.grace)} grace period), "
+            "then removed")
+
+
 def _device_status(
     npci: NodeDevice, current: Device | None, vms: tuple[str, ...], now: datetime.datetime,
-    held_elsewhere: Mapping[str, tuple[str, ...]] | None = None,
+    held_elsewhere: Mapping[str, tuple[str, ...]] | None = None, node_gone: str = "",
 ) -> dict[str, Any]:  # fmt: skip
+    """`node_gone`: why the device's Node is away ("" while it exists)."""
     old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
-    # Ready is the node's word, transition time included.
-    if npci.ready and npci.ready.lastTransitionTime:
+    # Ready is the node's word, transition time included; while its Node is gone, ours.
+    if node_gone:
+        ready = condition("Ready", Cond("False", "NodeGone", node_gone + "."), old.get("Ready"), now)
+    elif npci.ready and npci.ready.lastTransitionTime:
         ready = condition("Ready", npci.ready, npci.ready, now)
     else:
         unreported = Cond("Unknown", "NotReady", f"The agent on node {npci.node_name or '?'} has not reported this device yet.")
@@ -457,9 +482,12 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, will
                         conflict, recreated) -> Cond:  # fmt: skip
     held = [(d.namespace, referenced[d.namespace]) for d in lingering if referenced[d.namespace]]
     holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
+    gone = _node_gone_note(npci, world, missing_since) if not world.node_present else ""
     if not target:
         if held:
             return Cond("False", "InProgress", f"Unassigning: {holding}.")
+        if gone:
+            return Cond("False", "NodeGone", f"{gone}. Not assigned.")
         return Cond("False", "Available", "Not assigned; set spec.assignedNamespace to give this device to a namespace.")
     if target in SYSTEM_NAMESPACES:
         return Cond("False", "Available", f"{target} is a system namespace and cannot receive devices; assign the device to a tenant namespace.")
@@ -484,6 +512,11 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, will
                     f"IOMMU group {group} on node {npci.node_name} also holds {other}, assigned to {namespace}; VFIO gives a "
                     f"group to one VM, so all of its devices go to one namespace: assign {other} to {target} too, or this "
                     f"device to {namespace}.")
+    if gone and will_exist:
+        return Cond("True", "NodeGone", f"Assigned to namespace {target} as PCIDevice {target}/{npci.name}, kept while its "
+                                        f"node is away: {gone}.")
+    if gone:
+        return Cond("False", "NodeGone", f"{gone}; the device goes to {target} once the node is back.")
     if not_ready:
         why = (f"{npci.ready.reason}: {npci.ready.message}" if npci.ready
                else f"node {npci.node_name or '?'} has not reported it yet")  # fmt: skip

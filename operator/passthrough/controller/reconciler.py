@@ -32,6 +32,7 @@ NAMESPACES = "namespaces"
 CONFIGS = "configs"
 KUBEVIRTS = "kubevirts"
 GROUPS = "iommu_groups"
+NODES = "nodes"
 
 # The work-queue key of the KubeVirt CR's sync (device keys are NodePCIDevice names).
 KUBEVIRT = ("kubevirt",)
@@ -109,6 +110,13 @@ class Reconciler:
             for member in _values(self.indices[NODE_DEVICES], other)[:1]
         }
 
+    def node_present(self, npci: lifecycle.NodeDevice | None) -> bool:
+        """Whether the device's Node exists (a device that names none is not judged by it)."""
+        nodes = self.indices.get(NODES)
+        if npci is None or not npci.node_name or nodes is None:
+            return True
+        return bool(_values(nodes, npci.node_name))
+
     def world(self, name: str) -> lifecycle.World:
         node_devices = _values(self.indices[NODE_DEVICES], name)
         devices = tuple(sorted(_values(self.indices[DEVICES], name), key=lambda d: d.namespace))
@@ -128,6 +136,7 @@ class Reconciler:
             devices=devices,
             namespaces={ns: phase for ns, (phase, _) in found.items()},
             namespace_uids={ns: uid for ns, (_, uid) in found.items()},
+            node_present=self.node_present(npci),
             referencing_vms={ns: vms for ns, vms in referencing.items() if vms},
             now=datetime.datetime.now(datetime.UTC),
             grace=self.grace(),
@@ -205,9 +214,9 @@ class Reconciler:
                 raise
             return _expect("node-device", "", obj)
         if isinstance(write, lifecycle.DeleteNodeDevice):
-            if await self.node_devices.delete(name, uid=write.uid) == 409:
-                return None  # a newer object of that name: decide again, no waiting
-            log.info("deleted NodePCIDevice %s: unassigned and gone from its node", name)
+            if await self.node_devices.delete(name, uid=write.uid, resource_version=write.resource_version) == 409:
+                return None  # changed since the decision (its node came back?), or made anew: decide again
+            log.info("deleted NodePCIDevice %s: gone from its node, or its node gone past the grace period", name)
             return ("node-device-gone", "", "")
         raise TypeError(f"unknown write {write!r}")
 
