@@ -14,7 +14,10 @@ import time
 from collections.abc import Callable
 
 from passthrough.kubevirt.commands import dump
-from passthrough.kubevirt.render import Advertised, AssignedDevice, mismatches, parse_values, render
+from passthrough.kubevirt.allowlist import AssignedDevice
+from passthrough.kubevirt.mismatches import Advertised, mismatches
+from passthrough.kubevirt.render import render
+from passthrough.kubevirt.values import parse_values
 
 
 def values(entries: int) -> dict:

@@ -263,6 +263,58 @@ async def test_a_device_assigned_while_the_values_are_invalid_says_its_entry_is_
         await support.remove_node(api, node.name)
 
 
+async def test_a_device_kubevirt_cannot_take_is_left_out_alone(api, kinds, config, kubevirt_ns, unique):
+    configs, kubevirts = kinds
+    await support.create_kubevirt(api, kubevirt_ns)
+    served = {"pciVendorSelector": "10DE:2236", "resourceName": "nvidia.com/A10", "externalResourceProvider": False}
+    user = {"pciVendorSelector": "1AF4:1000", "resourceName": "example.com/virtio", "externalResourceProvider": True}
+    spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns},
+            "gpu": {"replaceDefaults": True, "permittedHostDevices": {"pciHostDevices": [served, user]}}}  # fmt: skip
+    await config(spec)
+    await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o) == [served, user], "the values applied")
+    node = await support.ensure_node(api, f"kvnode-{unique}")
+    node_devices = Custom(api, "nodepcidevices")
+    try:
+        a10 = await support.report_device(api, node, support.gpu("0000:61:00.0"))  # the model KubeVirt serves itself
+        l40s = await support.report_device(api, node, support.gpu("0000:62:00.0", device="26b9", name="AD102GL [L40S]",
+                                                                   resource="nvidia.com/AD102GL_L40S"))  # fmt: skip
+        await support.assign(api, a10, kubevirt_ns)
+        await support.assign(api, l40s, kubevirt_ns)
+        other = {"pciVendorSelector": "10DE:26B9", "resourceName": f"passthrough.io/{l40s}", "externalResourceProvider": True}
+        kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: other in pci_list(o), "the other device's entry")
+        assert pci_list(kv) == [served, user, other]
+
+        def left_out(o):
+            return condition(o, "AssignedDevicesPermitted").get("reason") == "DevicesLeftOut"
+
+        status = (await wait_config(configs, left_out, "the device left out"))["status"]
+        assert condition({"status": status}, "Valid")["status"] == "True"
+        assert [d["name"] for d in status["leftOut"]] == [a10] and status["leftOutCount"] == 1
+        assert "externalResourceProvider: false" in status["leftOut"][0]["reason"]
+
+        async def assigned():
+            got = condition(await node_devices.get(a10) or {}, "Assigned")
+            return got if got.get("reason") == "AllowListNotApplied" else None
+
+        got = await support.wait_for(assigned, 20, what="AllowListNotApplied on the device")
+        assert "gpu.permittedHostDevices.pciHostDevices[0]" in got["message"]
+
+        async def warned():
+            events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
+            return [e for e in events.items if e.type == "Warning" and e.reason == "DevicesLeftOut" and a10 in e.message]
+
+        await support.wait_for(warned, 20, what="a Warning Event on the config")
+        # The admin lets the external plugin serve the model: the device gets its entry.
+        spec["gpu"]["permittedHostDevices"]["pciHostDevices"] = [{**served, "externalResourceProvider": True}, user]
+        await config(spec)
+        wanted = {"pciVendorSelector": "10DE:2236", "resourceName": f"passthrough.io/{a10}", "externalResourceProvider": True}
+        await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted in pci_list(o), "the entry once the values allow it")
+        status = (await wait_config(configs, lambda o: not left_out(o), "nothing left out"))["status"]
+        assert status.get("leftOut", []) == [] and condition({"status": status}, "AssignedDevicesPermitted")["status"] == "True"
+    finally:
+        await support.remove_node(api, node.name)
+
+
 async def test_a_node_with_an_older_pci_ids_is_reported_before_a_vm_fails(api, kinds, config, kubevirt_ns, unique, tmp_path):
     configs, kubevirts = kinds
     await support.create_kubevirt(api, kubevirt_ns)

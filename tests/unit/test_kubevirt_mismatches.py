@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from passthrough.kubevirt.render import Advertised, AssignedDevice, Mismatch, default_table, mismatches, parse_values, render
+from passthrough.kubevirt.allowlist import AssignedDevice, default_table
+from passthrough.kubevirt.mismatches import Advertised, Mismatch, mismatches
+from passthrough.kubevirt.render import render
+from passthrough.kubevirt.values import parse_values
 from passthrough.pci.naming import gpu_resource_name
 from passthrough.pci.pciids import PciIds
 
@@ -135,7 +138,7 @@ def test_the_older_names_used_above_are_the_2023_editions(device, name):
 def test_an_exclusive_entry_is_not_the_pool_name_an_older_node_should_use():
     # With the table replaced, an assigned A10 is the only 10DE:2236 entry; a pooled A10 on a
     # node is simply not permitted, and no "expected" name is invented for it.
-    from passthrough.kubevirt.render import Advertised, mismatches
+    from passthrough.kubevirt.mismatches import Advertised, mismatches
 
     entries = [{"pciVendorSelector": "10DE:2236", "resourceName": "passthrough.io/pci-abc", "externalResourceProvider": True}]
     _, not_permitted = mismatches(entries, [Advertised("n1", "0000:3b:00.0", "10de", "2236", "nvidia.com/GA102GL_A10")])

@@ -8,17 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from e2e import kubevirt as kubevirt_crds
-from passthrough.kubevirt.render import (
-    SOCKET_PATH_MAX,
-    AssignedDevice,
-    ValuesError,
-    cozystack_package,
-    default_table,
-    parse_values,
-    render,
-    resource_name_problems,
-    socket_path,
-)
+from passthrough.kubevirt.allowlist import SOCKET_PATH_MAX, AssignedDevice, default_table, resource_name_problems, socket_path
+from passthrough.kubevirt.render import cozystack_package, render
+from passthrough.kubevirt.values import ValuesError, parse_values
 from passthrough.pci.naming import exclusive_resource_name, gpu_resource_name, node_pci_device_name
 from passthrough.pci.pciids import PciIds
 
@@ -199,18 +191,55 @@ def test_assigned_devices_of_a_pool_model_share_its_selector():
     ]
 
 
-def test_assigned_device_conflicts_with_an_entry_kubevirt_serves_itself():
-    data = values(pci=[pci("10DE:2236", "nvidia.com/A10", external=False)], replace=True)
+# One assignment must not freeze the allow-list of everyone else: a device whose entry cannot be
+# written is left out alone, with the reason, and the values' and other devices' entries stay.
+SERVED_BY_KUBEVIRT = values(pci=[pci("10DE:2236", "nvidia.com/A10", external=False), pci("1AF4:1000", "example.com/virtio")],
+                            replace=True)  # fmt: skip
+NIC = AssignedDevice("pci-nic", "8086", "1592")
+
+
+def test_assigned_device_of_a_model_kubevirt_serves_itself_is_left_out_alone():
+    result = rendered(SERVED_BY_KUBEVIRT, assigned=[AssignedDevice("pci-a10", "10de", "2236"), NIC])
+    assert names(result) == ["nvidia.com/A10", "example.com/virtio", "passthrough.io/pci-nic"]
+    assert list(result.left_out) == ["pci-a10"]
+    assert result.left_out["pci-a10"] == (
+        "its model 10DE:2236 is listed in gpu.permittedHostDevices.pciHostDevices[0] (nvidia.com/A10) with "
+        "externalResourceProvider: false, so KubeVirt's own device plugin would serve every device of that model, "
+        "this one included; set externalResourceProvider: true on that entry, or unassign the device"
+    )
+
+
+def test_assigned_device_whose_own_name_is_listed_for_kubevirt_to_serve_is_left_out_alone():
+    data = values(pci=[pci("10DE:2236", "passthrough.io/pci-a10", external=False)], replace=True)
+    result = rendered(data, assigned=[AssignedDevice("pci-a10", "10de", "2236"), NIC])
+    assert names(result) == ["passthrough.io/pci-a10", "passthrough.io/pci-nic"]
+    assert result.pci_host_devices[0]["externalResourceProvider"] is False  # the admin's entry, as written
+    assert "externalResourceProvider: false" in result.left_out["pci-a10"]
+
+
+def test_assigned_device_with_a_name_too_long_for_a_device_plugin_is_left_out_alone():
+    long = "pci-" + "a" * 70
+    result = rendered(SERVED_BY_KUBEVIRT, assigned=[AssignedDevice(long, "8086", "1592"), NIC])
+    assert names(result) == ["nvidia.com/A10", "example.com/virtio", "passthrough.io/pci-nic"]
+    assert list(result.left_out) == [long]
+    assert "must be 1 to 63 letters" in result.left_out[long] and "is too long for a device plugin" in result.left_out[long]
+    assert "unassign the device" in result.left_out[long]
+
+
+def test_assigned_device_with_bad_ids_is_left_out_alone():
+    result = rendered(values(replace=True), assigned=[AssignedDevice("pci-x", "10de", "23"), NIC])
+    assert names(result) == ["passthrough.io/pci-nic"]
+    assert "'10DE:23' is not VVVV:DDDD hex" in result.left_out["pci-x"]
+
+
+def test_values_problems_still_refuse_the_render_whatever_is_assigned():
+    data = values(pci=[pci("10DE:2236", "nvidia.com/A10")])  # re-points a card of the default table
     [problem] = problems(data, assigned=[AssignedDevice("pci-a10", "10de", "2236")])
-    assert problem.startswith("assigned device pci-a10, pciVendorSelector: 10DE:2236 is listed twice")
-    assert "values entry pciHostDevices[0]: nvidia.com/A10, externalResourceProvider false" in problem
-    assert "assigned device pci-a10: passthrough.io/pci-a10" in problem
+    assert problem.startswith("gpu.permittedHostDevices.pciHostDevices[0].pciVendorSelector: 10DE:2236 is listed twice")
 
 
-def test_assigned_device_with_bad_ids_is_reported():
-    [problem] = problems(values(), assigned=[AssignedDevice("pci-x", "10de", "23")])
-    assert problem == ("assigned device pci-x, pciVendorSelector: '10DE:23' is not VVVV:DDDD hex "
-                       "(vendor and device ID, e.g. 10DE:2236)")
+def test_nothing_is_left_out_when_every_assigned_device_fits():
+    assert rendered(values(), assigned=[NIC]).left_out == {}
 
 
 def test_exclusive_names_of_real_device_names_fit_the_socket_limit():

@@ -6,7 +6,8 @@ import datetime
 
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, advertised, assigned_devices, needs_apply, plan_sync
 from passthrough.controller.lifecycle import Device, NodeDevice
-from passthrough.kubevirt.render import Advertised, AssignedDevice
+from passthrough.kubevirt.allowlist import AssignedDevice
+from passthrough.kubevirt.mismatches import Advertised
 
 NOW = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
 
@@ -142,3 +143,58 @@ def test_only_ready_pooled_gpus_count_as_advertised():
                pooled_gpu("gone", "False", "NotFound"), pooled_gpu("unbound", "False", "VfioNotLoaded")]  # fmt: skip
     assert [a.resource_name for a in advertised(devices)] == ["nvidia.com/GA102GL_A10"]
     assert len(advertised(devices)) == 1
+
+
+# -- one assignment KubeVirt cannot take ------------------------------------------------------
+
+SERVED_BY_KUBEVIRT = {"gpu": {"replaceDefaults": True, "permittedHostDevices": {"pciHostDevices": [
+    {"pciVendorSelector": "10DE:2236", "resourceName": "nvidia.com/A10", "externalResourceProvider": False},
+    {"pciVendorSelector": "1AF4:1000", "resourceName": "example.com/virtio"},
+]}}}  # fmt: skip
+NIC = AssignedDevice("pci-nic", "8086", "1592")
+
+
+def conditions_of(plan) -> dict:
+    return {c["type"]: c for c in status_after(plan)["conditions"]}
+
+
+def test_an_assignment_of_a_model_kubevirt_serves_itself_leaves_out_only_that_device():
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    plan = plan_sync(config(SERVED_BY_KUBEVIRT), live, [AssignedDevice("pci-a10", "10de", "2236"), NIC], [], None, NOW)
+    entries = plan.apply["spec"]["configuration"]["permittedHostDevices"]["pciHostDevices"]
+    assert [e["resourceName"] for e in entries] == ["nvidia.com/A10", "example.com/virtio", "passthrough.io/pci-nic"]
+    assert list(plan.unapplied) == ["pci-a10"] and "externalResourceProvider: false" in plan.unapplied["pci-a10"]
+    conditions = conditions_of(plan)
+    assert conditions["Valid"]["status"] == "True" and conditions["Applied"]["reason"] == "Applied"
+    left_out = conditions["AssignedDevicesPermitted"]
+    assert (left_out["status"], left_out["reason"]) == ("False", "DevicesLeftOut")
+    assert "pci-a10" in left_out["message"] and "status.leftOut" in left_out["message"]
+    assert status_after(plan)["leftOut"] == [{"name": "pci-a10", "reason": plan.unapplied["pci-a10"]}]
+    assert status_after(plan)["leftOutCount"] == 1
+    assert [(t, r) for t, r, _ in plan.events if t == "Warning"] == [("Warning", "DevicesLeftOut")]
+    # Said once: the next sync writes nothing and tells nothing.
+    again = plan_sync(config(SERVED_BY_KUBEVIRT, status_after(plan)), kubevirt_after(plan),
+                      [AssignedDevice("pci-a10", "10de", "2236"), NIC], [], plan.rendered, NOW)  # fmt: skip
+    assert again.apply is None and again.status is None and again.events == []
+    assert again.unapplied == plan.unapplied
+
+
+def test_an_assignment_with_an_over_long_name_leaves_out_only_that_device():
+    long = "pci-" + "b" * 70
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    plan = plan_sync(config(SERVED_BY_KUBEVIRT), live, [AssignedDevice(long, "8086", "1592"), NIC], [], None, NOW)
+    entries = plan.apply["spec"]["configuration"]["permittedHostDevices"]["pciHostDevices"]
+    assert [e["resourceName"] for e in entries] == ["nvidia.com/A10", "example.com/virtio", "passthrough.io/pci-nic"]
+    assert list(plan.unapplied) == [long] and "too long for a device plugin" in plan.unapplied[long]
+    assert conditions_of(plan)["Valid"]["status"] == "True"
+    assert conditions_of(plan)["AssignedDevicesPermitted"]["reason"] == "DevicesLeftOut"
+
+
+def test_a_left_out_device_unassigned_clears_the_warning():
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    bad = plan_sync(config(SERVED_BY_KUBEVIRT), live, [AssignedDevice("pci-a10", "10de", "2236"), NIC], [], None, NOW)
+    fixed = plan_sync(config(SERVED_BY_KUBEVIRT, status_after(bad)), kubevirt_after(bad), [NIC], [], bad.rendered, NOW)
+    assert fixed.apply is None and fixed.unapplied == {}
+    assert conditions_of(fixed)["AssignedDevicesPermitted"]["status"] == "True"
+    assert status_after(fixed)["leftOut"] == [] and status_after(fixed)["leftOutCount"] == 0
+    assert [t for t, _, _ in fixed.events] == []

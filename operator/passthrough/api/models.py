@@ -223,6 +223,13 @@ class AllowListMismatch(APIModel):
     expected: str | None = Field(default=None, description="The allow-list's name for this card, when a node calls it otherwise.")
 
 
+class LeftOutDevice(APIModel):
+    """An assigned device KubeVirt's allow-list leaves out, and why."""
+
+    name: str = Field(description="The NodePCIDevice (and PCIDevice) name.")
+    reason: str = Field(description="Why its passthrough.io/ entry cannot be written, and what to do.")
+
+
 class PassthroughConfigStatus(APIModel):
     observedGeneration: int | None = None
     conditions: Conditions
@@ -238,6 +245,12 @@ class PassthroughConfigStatus(APIModel):
         default_factory=list, description="GPUs nodes advertise that the allow-list lacks (the first 50)."
     )
     notPermittedCount: int = 0
+    leftOut: list[LeftOutDevice] = Field(
+        default_factory=list,
+        description="Assigned devices whose exclusive entry is left out of the allow-list (the first 50); "
+        "the rest of the allow-list is applied.",
+    )
+    leftOutCount: int = 0
 
 
 @dataclass(frozen=True)

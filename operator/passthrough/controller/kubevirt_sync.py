@@ -3,6 +3,8 @@
 `plan_sync` takes the config, the live KubeVirt CR, the assigned devices and what the nodes
 advertise, and returns at most one apply for the CR, at most one status for the config, and
 the Events worth telling. It writes nothing when the CR already says what we would write.
+Bad values keep the last good configuration; an assigned device whose own entry cannot be
+written is only left out (status.leftOut, condition AssignedDevicesPermitted, its Assigned).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from passthrough.api.conditions import Cond, condition
 from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.k8s import OPERATOR_MANAGER
 from passthrough.pci.naming import exclusive_resource_name
-from passthrough.kubevirt.render import Advertised, AssignedDevice, Mismatch, Rendered, ValuesError, mismatches, parse_values, render
+from passthrough.kubevirt.allowlist import AssignedDevice
+from passthrough.kubevirt.mismatches import Advertised, Mismatch, mismatches
+from passthrough.kubevirt.render import Rendered, render
+from passthrough.kubevirt.values import ValuesError, parse_values
 
 # status lists are capped so that a config of thousands of entries keeps a readable status
 MAX_LISTED = 50
@@ -134,6 +139,7 @@ class SyncPlan:
     rendered: Rendered | None = None  # the configuration now good (to keep when later values are bad)
     problems: list[str] = field(default_factory=list)  # why the values are invalid; [] when valid
     unapplied: dict[str, str] = field(default_factory=dict)  # assigned device -> why KubeVirt lacks its entry
+    left_out: dict[str, str] = field(default_factory=dict)  # assigned devices the render leaves out alone (the rest applied)
 
 
 def needs_apply(rendered: Rendered, live: KubeVirtView) -> bool:
@@ -183,11 +189,15 @@ def plan_sync(
         rendered = last_good  # keep what was applied; a bad edit tears nothing down
 
     plan.problems = problems
+    # A device whose own entry cannot be written is left out alone; the rest of the allow-list goes on.
+    names = {d.name for d in assigned}
+    plan.left_out = {name: why for name, why in (rendered.left_out if rendered else {}).items() if name in names}
+    plan.unapplied = dict(plan.left_out)
     if problems and kubevirt is not None:
         # What KubeVirt has is the last good configuration: a device assigned since has no entry there.
         have = {e.get("resourceName") for e in (rendered.pci_host_devices if rendered else [])}
         why = f"the PassthroughConfig is invalid ({'; '.join(problems)})"
-        plan.unapplied = {d.name: why for d in assigned if exclusive_resource_name(d.name) not in have}
+        plan.unapplied = {d.name: plan.left_out.get(d.name, why) for d in assigned if exclusive_resource_name(d.name) not in have}
 
     conditions: dict[str, Cond] = {}
     if problems:
@@ -214,6 +224,19 @@ def plan_sync(
             conditions["Applied"] = Cond("True", "LastGoodApplied", f"KubeVirt {target} keeps the last good configuration: {summary}.")
         else:
             conditions["Applied"] = Cond("True", "Applied", f"KubeVirt {target} has {summary}.")
+
+    if rendered is not None and plan.left_out:
+        (name, why), *others = plan.left_out.items()
+        also = f"; also {', '.join(n for n, _ in others[:3])}{' ...' if len(others) > 3 else ''}" if others else ""
+        conditions["AssignedDevicesPermitted"] = Cond(
+            "False", "DevicesLeftOut",
+            f"{len(plan.left_out)} assigned device(s) left out of KubeVirt's allow-list (the rest of it is applied), and VMs "
+            f"asking for them will not start. {name}: {why}{also}. See status.leftOut.",
+        )
+    elif rendered is not None:
+        conditions["AssignedDevicesPermitted"] = Cond(
+            "True", "AllPermitted", "Every assigned device has its passthrough.io/ entry in the allow-list."
+        )
 
     pci = rendered.pci_host_devices if rendered else []
     not_advertised, not_permitted = mismatches(pci, advertised)
@@ -247,6 +270,8 @@ def plan_sync(
         "notAdvertisedCount": len(not_advertised),
         "notPermitted": _listed(not_permitted),
         "notPermittedCount": len(not_permitted),
+        "leftOut": [{"name": name, "reason": why} for name, why in list(plan.left_out.items())[:MAX_LISTED]],
+        "leftOutCount": len(plan.left_out),
     }
     if _status_differs(config.status, status):
         plan.status = {"apiVersion": API_VERSION, "kind": PASSTHROUGH_CONFIG.kind, "metadata": {"name": CONFIG_NAME},

@@ -530,7 +530,7 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, will
     if world.allow_list_problem:
         return Cond("False", "AllowListNotApplied",
                     f"PCIDevice {target}/{npci.name} exists, but KubeVirt's permittedHostDevices lacks {resource}: "
-                    f"{world.allow_list_problem}. VMs listing it get no pod until the values are fixed.")
+                    f"{world.allow_list_problem}. VMs listing it get no pod until that is fixed.")
     message = f"Assigned to namespace {target} as PCIDevice {target}/{npci.name}; VMs there use deviceName {resource}."
     if holding:
         message += f" Meanwhile {holding}."

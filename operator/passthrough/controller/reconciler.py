@@ -236,8 +236,13 @@ class Reconciler:
         if plan.problems and plan.problems != self._problems_logged:
             log.warning("the PassthroughConfig is invalid, KubeVirt keeps the last good configuration: %s", "; ".join(plan.problems))
         self._problems_logged = plan.problems
-        # Devices whose allow-list entry came or went decide again: their Assigned condition says so.
-        for name in set(plan.unapplied).symmetric_difference(self.unapplied):
+        # Devices whose allow-list entry came or went, or is missing for another reason now, decide
+        # again: their Assigned condition says so.
+        for name in set(plan.unapplied) | set(self.unapplied):
+            if plan.unapplied.get(name) == self.unapplied.get(name):
+                continue
+            if name in plan.left_out:
+                log.warning("KubeVirt's allow-list leaves out assigned device %s, the rest is applied: %s", name, plan.left_out[name])
             self.enqueue(name)
         self.unapplied = plan.unapplied
         expectations = []

@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from passthrough.kubevirt.render import ValuesError, cozystack_package, parse_values, render as render_values
+from passthrough.kubevirt.render import cozystack_package, render as render_values
+from passthrough.kubevirt.values import ValuesError, parse_values
 
 EXIT_INVALID = 2
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
