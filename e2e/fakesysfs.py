@@ -4,7 +4,10 @@ Devices live under `sys/devices/pci<domain>:<bus>/[<bridge>/]<address>/`, and ev
 else reaches them through relative symlinks, as on a real host: `sys/bus/pci/devices/*`,
 `driver`, `iommu_group` and its `devices/` back links, `sys/class/net` and
 `sys/class/block` (into `net/<ifname>` and the disk and partition directories), block
-`holders/`. So code that reads the fixture reads a real host the same way.
+`holders/` and `slaves/`. Each block device has its `dev` (major:minor, numbered as the kernel
+numbers them: sd 8, virtio 252, device-mapper 253, md 9, NVMe and the rest 259), and procfs has
+`self/mountinfo` (with `mounts` beside it), `swaps` and, on a ZFS host, `spl/kstat/zfs/<pool>`.
+So code that reads the fixture reads a real host the same way.
 
 Next to them, `dev/vfio/` holds a node per IOMMU group while a member is on vfio-pci (and
 `vfio` while vfio-pci is loaded), and `fakehost/` what the kernel knows beyond sysfs: each
@@ -15,17 +18,17 @@ open. `e2e.fakekernel` reads both to answer the bind sequence's writes.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import uuid
 from itertools import cycle
 from pathlib import Path
 
 ROOT_PORT = ("8086", "2030", "060400")  # Sky Lake-E PCI Express Root Port A
 HOST_BRIDGE = ("8086", "2020", "060000")  # Sky Lake-E DMI3 Registers
 
-_MOUNTS_HEADER = (
-    "sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0\n"
-    "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0\n"
-)
+# (mountpoint, fstype, source, anonymous minor): what every host has mounted.
+_BASE_MOUNTS = (("/sys", "sysfs", "sysfs", 21), ("/proc", "proc", "proc", 22), ("/dev", "devtmpfs", "udev", 5))
 _SWAPS_HEADER = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
 
 
@@ -43,9 +46,13 @@ class FakeHost:
         self.dev.mkdir(parents=True, exist_ok=True)
         if vfio:
             self.load_vfio()
-        self.proc.mkdir(parents=True, exist_ok=True)
-        (self.proc / "mounts").write_text(_MOUNTS_HEADER)
+        (self.proc / "self").mkdir(parents=True, exist_ok=True)
+        (self.proc / "self" / "mountinfo").write_text("")
+        (self.proc / "self" / "mounts").write_text("")
+        (self.proc / "mounts").symlink_to("self/mounts")
         (self.proc / "swaps").write_text(_SWAPS_HEADER)
+        for mountpoint, fstype, source, minor in _BASE_MOUNTS:
+            self._mount_line((0, minor), mountpoint, fstype, source)
 
     @classmethod
     def existing(cls, root: Path) -> FakeHost:
@@ -64,6 +71,7 @@ class FakeHost:
         self.state = self.root / "fakehost"
         self.iommu = iommu
         self._bridges: dict[str, str] = {}  # "dddd:bb" secondary bus -> the bridge's address
+        self._next_minor: dict[int, int] = {}  # major -> the next free minor, for dynamic majors
 
     def load_vfio(self) -> None:
         """`modprobe vfio-pci`: its driver, its module and the VFIO container node appear."""
@@ -218,8 +226,15 @@ class FakeHost:
         (iface / "flags").write_text("0x1003\n" if up else "0x1002\n")
         (iface / "operstate").write_text("up\n" if up and carrier else "down\n")
 
-    def add_block(self, address: str, disk: str, partitions: tuple[str, ...] | list[str] = ()) -> None:
-        """A disk on the device (NVMe, virtio or SATA layout by its name) and its partitions."""
+    def add_block(
+        self, address: str, disk: str, partitions: tuple[str, ...] | list[str] = (), *, multipath: bool = False
+    ) -> None:
+        """A disk on the device (NVMe, virtio or SATA layout by its name) and its partitions.
+
+        `multipath` (NVMe): native NVMe multipath, as on a dual-port drive. The device gets the
+        path disk (`nvme0c0n1`, hidden); the disk the host uses and its partitions live under
+        `devices/virtual/nvme-subsystem`, and list the path disk in their `multipath/`.
+        """
         device = self.device_dir(address)
         if disk.startswith("nvme"):
             base = device / "nvme" / disk[: disk.index("n", 4)]
@@ -227,31 +242,94 @@ class FakeHost:
             base = device / "virtio0" / "block"
         else:
             base = device / "ata1" / "host0" / "target0:0:0" / "0:0:0:0" / "block"
+        path_disk = ""
+        if multipath:
+            match = re.fullmatch(r"nvme([0-9]+)n([0-9]+)", disk)
+            if match is None:
+                raise ValueError(f"{disk}: native multipath is NVMe's")
+            path_disk = f"nvme{match.group(1)}c{match.group(1)}n{match.group(2)}"
+            self._block_dir(base / path_disk, path_disk)
+            (base / path_disk / "hidden").write_text("1\n")
+            base = self.sysfs / "devices" / "virtual" / "nvme-subsystem" / f"nvme-subsys{match.group(1)}"
         disk_dir = base / disk
         self._block_dir(disk_dir, disk)
         _link(self.sysfs / "block" / disk, disk_dir)
+        if path_disk:
+            path_dir = Path(os.path.realpath(self.sysfs / "class" / "block" / path_disk))
+            _link(disk_dir / "multipath" / path_disk, path_dir)
         for number, part in enumerate(partitions, start=1):
-            self._block_dir(disk_dir / part, part)
+            self._block_dir(disk_dir / part, part, partition=number)
             (disk_dir / part / "partition").write_text(f"{number}\n")
 
-    def mount(self, block_name: str, mountpoint: str) -> None:
-        escaped = mountpoint.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
-        with (self.proc / "mounts").open("a") as f:
-            f.write(f"/dev/{block_name} {escaped} ext4 rw,relatime 0 0\n")
+    def name_partition(self, part: str, partname: str) -> None:
+        """Give a partition its GPT name (PARTNAME in its `uevent`), as `zpool create` names
+        the partition it makes on a whole disk `zfs-<guid>`."""
+        with (self.sysfs / "class" / "block" / part / "uevent").open("a") as f:
+            f.write(f"PARTNAME={partname}\n")
 
-    def swapon(self, block_name: str) -> None:
+    def mount(self, block_name: str, mountpoint: str, *, source: str | None = None, fstype: str = "ext4") -> None:
+        """Mount `block_name` on `mountpoint`; mountinfo gets the device's major:minor.
+
+        `source`: the name mount(2) was given, as mountinfo shows it (`/dev/root` for a root
+        the kernel mounted itself, `/dev/mapper/vg0-root`); `/dev/<block_name>` by default.
+        `fstype="btrfs"`: the filesystem gets an anonymous device number (0:N) as btrfs's do,
+        and `sys/fs/btrfs/<fsid>/devices` names the disk.
+        """
+        source = source or f"/dev/{block_name}"
+        if fstype == "btrfs":
+            fsid = str(uuid.uuid5(uuid.NAMESPACE_OID, block_name))
+            held = self.sysfs / "class" / "block" / block_name
+            _link(self.sysfs / "fs" / "btrfs" / fsid / "devices" / block_name, Path(os.path.realpath(held)))
+            devnum = (0, 100 + len(self._mountinfo_lines()))
+        else:
+            devnum = self.devnum(block_name)
+        self._mount_line(devnum, mountpoint, fstype, source)
+
+    def mount_zfs(self, dataset: str, mountpoint: str) -> None:
+        """Import the dataset's pool and mount the dataset (ZFS: an anonymous device number,
+        and nothing in sysfs that names the pool's disks)."""
+        self.import_zfs_pool(dataset.split("/")[0])
+        self._mount_line((0, 100 + len(self._mountinfo_lines())), mountpoint, "zfs", dataset)
+
+    def import_zfs_pool(self, pool: str) -> None:
+        """`zpool import`: the pool gets its kstat directory; nothing names its disks."""
+        kstat = self.proc / "spl" / "kstat" / "zfs"
+        (kstat / pool).mkdir(parents=True, exist_ok=True)
+        (kstat / pool / "state").write_text("ONLINE\n")
+        (kstat / "arcstats").write_text("")  # the module's own statistics: a file, not a pool
+
+    def swapon(self, block_name: str, *, path: str | None = None) -> None:
+        """`swapon` on a block device; /proc/swaps shows `path` (`/dev/<block_name>` by default)."""
+        shown = (path or f"/dev/{block_name}").replace("\\", "\\134").replace(" ", "\\040")
         with (self.proc / "swaps").open("a") as f:
-            f.write(f"/dev/{block_name}                          partition\t8388604\t\t0\t\t-2\n")
+            f.write(f"{shown:<40}partition\t8388604\t\t0\t\t-2\n")
 
-    def hold(self, block_name: str, holder: str) -> None:
-        """`holder` (dm-0, md0) is built on `block_name`, as LVM, RAID and dm-crypt do."""
+    def hold(self, block_name: str, holder: str, *, name: str | None = None) -> None:
+        """`holder` (dm-0, md0) is built on `block_name`, as LVM, RAID and dm-crypt do.
+
+        A device-mapper holder gets its `dm/name` (`name`, e.g. `vg0-root`; the holder's own
+        name by default), an md one its `md/level`. Call again to build it on more devices.
+        """
         virtual = self.sysfs / "devices" / "virtual" / "block" / holder
         if not virtual.exists():
             self._block_dir(virtual, holder)
             (virtual / "slaves").mkdir()
+            _link(self.sysfs / "block" / holder, virtual)
+            if holder.startswith("dm-"):
+                (virtual / "dm").mkdir()
+                (virtual / "dm" / "name").write_text(f"{name or holder}\n")
+                (virtual / "dm" / "uuid").write_text(f"LVM-{uuid.uuid5(uuid.NAMESPACE_OID, holder).hex}\n")
+            elif holder.startswith("md"):
+                (virtual / "md").mkdir()
+                (virtual / "md" / "level").write_text("raid1\n")
         held = Path(os.path.realpath(self.sysfs / "class" / "block" / block_name))
         _link(held / "holders" / holder, virtual)
         _link(virtual / "slaves" / block_name, held)
+
+    def devnum(self, block_name: str) -> tuple[int, int]:
+        """The block device's major:minor, from its `dev`."""
+        major, minor = (self.sysfs / "class" / "block" / block_name / "dev").read_text().strip().split(":")
+        return int(major), int(minor)
 
     # --- Breaking things, the way a confused kernel or a half-done unbind would -------
 
@@ -311,11 +389,49 @@ class FakeHost:
         except FileNotFoundError:
             return ""
 
-    def _block_dir(self, path: Path, name: str) -> None:
+    def _block_dir(self, path: Path, name: str, partition: int = 0) -> None:
         path.mkdir(parents=True)
         (path / "holders").mkdir()
         (path / "size").write_text("1953525168\n")
+        major, minor = self._allocate_devnum(name, partition)
+        (path / "dev").write_text(f"{major}:{minor}\n")
+        kind = f"DEVTYPE=partition\nPARTN={partition}\n" if partition else "DEVTYPE=disk\n"
+        (path / "uevent").write_text(f"MAJOR={major}\nMINOR={minor}\nDEVNAME={name}\n{kind}")
         _link(self.sysfs / "class" / "block" / name, path)
+
+    def _allocate_devnum(self, name: str, partition: int) -> tuple[int, int]:
+        """As the kernel numbers them: sd and virtio disks 16 minors each on their majors,
+        dm-N and mdN on theirs by number, everything else (NVMe) the next free of major 259."""
+        if match := re.fullmatch(r"(sd|vd)([a-z]+)[0-9]*", name):
+            index = 0
+            for letter in match.group(2):
+                index = index * 26 + ord(letter) - ord("a") + 1
+            return (8 if match.group(1) == "sd" else 252), (index - 1) * 16 + partition
+        if match := re.fullmatch(r"(dm-|md)([0-9]+)", name):
+            return (253 if match.group(1) == "dm-" else 9), int(match.group(2))
+        if 259 not in self._next_minor:  # a host built by another process: carry on after its devices
+            taken = [-1]
+            for entry in (self.sysfs / "class" / "block").iterdir():
+                dev = (entry / "dev").read_text().split(":") if (entry / "dev").is_file() else []
+                if len(dev) == 2 and dev[0] == "259":
+                    taken.append(int(dev[1]))
+            self._next_minor[259] = max(taken) + 1
+        minor = self._next_minor[259]
+        self._next_minor[259] = minor + 1
+        return 259, minor
+
+    def _mountinfo_lines(self) -> list[str]:
+        return (self.proc / "self" / "mountinfo").read_text().splitlines()
+
+    def _mount_line(self, devnum: tuple[int, int], mountpoint: str, fstype: str, source: str) -> None:
+        """One mount, in mountinfo and in mounts, escaped as the kernel escapes them."""
+        escaped = mountpoint.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
+        mount_id = 20 + len(self._mountinfo_lines())
+        with (self.proc / "self" / "mountinfo").open("a") as f:
+            f.write(f"{mount_id} 1 {devnum[0]}:{devnum[1]} / {escaped} rw,relatime shared:{mount_id} "
+                    f"- {fstype} {source} rw\n")  # fmt: skip
+        with (self.proc / "self" / "mounts").open("a") as f:
+            f.write(f"{source} {escaped} {fstype} rw,relatime 0 0\n")
 
 
 def _link(link: Path, target: Path) -> None:

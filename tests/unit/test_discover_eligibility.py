@@ -204,10 +204,146 @@ def _roots(host: FakeHost) -> tuple[Path, Path]:
 
 
 def test_a_disk_mounted_only_on_the_host_counts_from_inside_a_container(tmp_path):
-    """The agent reads the host's /proc at /host/proc: its `mounts` is the container's own
-    namespace there, so the host's table is PID 1's."""
+    """The agent reads the host's /proc at /host/proc: its `self/mountinfo` is the container's
+    own namespace there, so the host's table is PID 1's."""
     host = storage_node(tmp_path)
+    major, minor = host.devnum("nvme0n1p1")
     (host.proc / "1").mkdir()
-    (host.proc / "1" / "mounts").write_text("/dev/nvme0n1p1 /var/lib/host-data ext4 rw,relatime 0 0\n")
+    (host.proc / "1" / "mountinfo").write_text(
+        f"25 1 {major}:{minor} / /var/lib/host-data rw,relatime shared:1 - ext4 /dev/nvme0n1p1 rw\n"
+    )
     nvme = scan(host)["0000:3d:00.0"]
     assert not nvme.eligible and "nvme0n1p1 is mounted on /var/lib/host-data" in nvme.reason
+
+
+# --- Disks in use, by device number and through holders ---------------------------------
+
+
+def two_drive_node(tmp_path) -> FakeHost:
+    """`storage_node` plus a second NVMe drive (nvme1n1, 0000:5e:00.0) in its own group."""
+    host = storage_node(tmp_path)
+    host.add_root_port("0000:00:03.0", "5e", iommu_group=3)
+    host.add_device("0000:5e:00.0", "144d", "a808", "010802", driver="nvme", iommu_group=33)
+    host.add_block("0000:5e:00.0", "nvme1n1", ("nvme1n1p1", "nvme1n1p2"))
+    return host
+
+
+def test_a_root_the_kernel_mounted_as_dev_root_is_found_by_its_device_number(tmp_path):
+    host = storage_node(tmp_path)
+    host.mount("nvme0n1p1", "/", source="/dev/root")  # root=/dev/nvme0n1p1 without an initramfs
+    nvme = scan(host)["0000:3d:00.0"]
+    assert not nvme.eligible
+    assert nvme.reason == "block device nvme0n1p1 holds the root filesystem; this device stays with the host"
+
+
+def test_a_filesystem_mounted_by_a_link_name_is_found_by_its_device_number(tmp_path):
+    host = storage_node(tmp_path)
+    host.mount("nvme0n1p2", "/var/lib/data", source="/dev/disk/by-uuid/0b5c1f4e-8a8e-4f4e-9a1c-2b7d0e6f3a11")
+    assert scan(host)["0000:3d:00.0"].reason.startswith("block device nvme0n1p2 is mounted on /var/lib/data;")
+
+
+def test_an_lvm_root_on_a_partition_is_found_through_its_holder(tmp_path):
+    host = storage_node(tmp_path)
+    host.hold("nvme0n1p2", "dm-0", name="vg0-root")
+    host.mount("dm-0", "/", source="/dev/mapper/vg0-root")
+    nvme = scan(host)["0000:3d:00.0"]
+    assert not nvme.eligible
+    assert nvme.reason.startswith("block device nvme0n1p2 → dm-0 (vg0-root) holds the root filesystem;")
+
+
+def test_a_stack_is_followed_to_its_top(tmp_path):
+    host = storage_node(tmp_path)  # dm-crypt on an LVM volume on the partition
+    host.hold("nvme0n1p2", "dm-0", name="vg0-home")
+    host.hold("dm-0", "dm-1", name="luks-home")
+    host.mount("dm-1", "/home", source="/dev/mapper/luks-home")
+    reason = scan(host)["0000:3d:00.0"].reason
+    assert reason.startswith("block device nvme0n1p2 → dm-0 (vg0-home) → dm-1 (luks-home) is mounted on /home;")
+    assert "umount /home" in reason and "take nvme0n1p2 out of dm-0" in reason
+
+
+def test_a_raid_member_is_found_through_its_array_on_every_drive(tmp_path):
+    host = two_drive_node(tmp_path)
+    host.hold("nvme0n1p1", "md0")
+    host.hold("nvme1n1p1", "md0")
+    host.mount("md0", "/srv")
+    devices = scan(host)
+    for address, part in (("0000:3d:00.0", "nvme0n1p1"), ("0000:5e:00.0", "nvme1n1p1")):
+        assert not devices[address].eligible
+        assert devices[address].reason.startswith(f"block device {part} → md0 is mounted on /srv;")
+        assert f"take {part} out of md0 (mdadm --remove)" in devices[address].reason
+
+
+def test_swap_on_a_partition_is_found(tmp_path):
+    host = storage_node(tmp_path)
+    host.swapon("nvme0n1p2")
+    reason = scan(host)["0000:3d:00.0"].reason
+    assert reason.startswith("block device nvme0n1p2 is used as swap;") and "swapoff /dev/nvme0n1p2" in reason
+
+
+@pytest.mark.parametrize("shown", ["/dev/dm-1", "/dev/mapper/vg0-swap"])
+def test_swap_on_a_logical_volume_is_found_through_its_holder(tmp_path, shown):
+    host = storage_node(tmp_path)
+    host.hold("nvme0n1p2", "dm-1", name="vg0-swap")
+    host.swapon("dm-1", path=shown)
+    reason = scan(host)["0000:3d:00.0"].reason
+    assert reason.startswith("block device nvme0n1p2 → dm-1 (vg0-swap) is used as swap;")
+    assert "swapoff /dev/dm-1" in reason
+
+
+def test_the_root_filesystem_is_named_before_other_mounts_of_the_drive(tmp_path):
+    host = storage_node(tmp_path)
+    host.mount("nvme0n1p1", "/boot/efi", fstype="vfat")
+    host.mount("nvme0n1p2", "/")
+    assert "nvme0n1p2 holds the root filesystem" in scan(host)["0000:3d:00.0"].reason
+
+
+def test_an_unmounted_drive_is_offered_beside_a_busy_one(tmp_path):
+    host = two_drive_node(tmp_path)
+    host.mount("nvme0n1p1", "/", source="/dev/root")
+    host.hold("nvme0n1p2", "dm-0", name="vg0-swap")
+    host.swapon("dm-0")
+    devices = scan(host)
+    assert not devices["0000:3d:00.0"].eligible
+    assert devices["0000:5e:00.0"].eligible and devices["0000:5e:00.0"].reason == ""
+
+
+def test_a_btrfs_root_is_found_by_its_source_and_by_its_fsid(tmp_path):
+    host = two_drive_node(tmp_path)
+    host.mount("nvme0n1p2", "/", fstype="btrfs")  # st_dev 0:N, the source names the disk
+    host.mount("nvme1n1p2", "/data", fstype="btrfs", source="/dev/root")  # only sys/fs/btrfs names it
+    devices = scan(host)
+    assert "nvme0n1p2 holds the root filesystem" in devices["0000:3d:00.0"].reason
+    assert devices["0000:5e:00.0"].reason.startswith("block device nvme1n1p2 is in a mounted btrfs filesystem (")
+
+
+def test_a_root_on_an_nvme_multipath_disk_keeps_its_controller(tmp_path):
+    host = storage_node(tmp_path)
+    host.add_root_port("0000:00:03.0", "5e", iommu_group=3)
+    host.add_device("0000:5e:00.0", "144d", "a824", "010802", driver="nvme", iommu_group=33)
+    host.add_block("0000:5e:00.0", "nvme1n1", ("nvme1n1p1",), multipath=True)
+    assert scan(host)["0000:5e:00.0"].eligible
+    host.mount("nvme1n1p1", "/")
+    assert "nvme1n1p1 holds the root filesystem" in scan(host)["0000:5e:00.0"].reason
+
+
+def test_a_zfs_whole_disk_is_known_by_its_partition_name(tmp_path):
+    host = two_drive_node(tmp_path)
+    host.name_partition("nvme1n1p1", "zfs-6a1c2b3d4e5f6071")
+    host.mount_zfs("tank/data", "/tank/data")
+    reason = scan(host)["0000:5e:00.0"].reason
+    assert reason.startswith("block device nvme1n1p1 is a ZFS disk (partition zfs-6a1c2b3d4e5f6071; ZFS pool tank is imported)")  # fmt: skip
+
+
+def test_with_a_zfs_pool_imported_a_partition_nothing_visibly_uses_is_not_offered(tmp_path):
+    host = storage_node(tmp_path)
+    host.add_root_port("0000:00:03.0", "5e", iommu_group=3)
+    host.add_device("0000:5e:00.0", "144d", "a808", "010802", driver="nvme", iommu_group=33)
+    host.add_block("0000:5e:00.0", "nvme1n1")  # no partitions: ZFS would have made some
+    assert scan(host)["0000:3d:00.0"].eligible  # no pool: a partition of nothing is free
+    host.import_zfs_pool("rpool")
+    devices = scan(host)
+    assert devices["0000:3d:00.0"].reason.startswith(
+        "whether block device nvme0n1p1 is in a ZFS pool cannot be told (ZFS pool rpool is imported"
+    )
+    assert "zpool status -P" in devices["0000:3d:00.0"].reason
+    assert devices["0000:5e:00.0"].eligible

@@ -105,13 +105,16 @@ def test_an_entry_not_named_like_an_address_is_ignored_with_a_problem(tmp_path):
     assert_others_unharmed(devices)
 
 
-def test_unreadable_mounts_make_block_devices_unknown_not_free(tmp_path):
+def test_unreadable_mountinfo_makes_block_devices_unknown_not_free(tmp_path):
     host = storage_node(tmp_path)
-    (host.proc / "mounts").unlink()
+    (host.proc / "self" / "mountinfo").unlink()
     found, devices = scan(host)
-    assert not devices["0000:3d:00.0"].eligible and "cannot be told" in devices["0000:3d:00.0"].reason
-    assert devices["0000:18:00.1"].eligible
-    assert any("mounts" in p for p in found.problems)
+    nvme = devices["0000:3d:00.0"]
+    assert not nvme.eligible and nvme.reported
+    assert nvme.reason.startswith("whether block device nvme0n1 is in use cannot be told (")
+    assert "self/mountinfo is unreadable" in nvme.reason and "/host/proc" in nvme.reason
+    assert devices["0000:18:00.1"].eligible  # no disks, nothing to tell
+    assert any("mountinfo" in p for p in found.problems)
 
 
 ATTRIBUTES = ["vendor", "device", "class", "subsystem_vendor", "subsystem_device", "numa_node"]
@@ -125,3 +128,78 @@ def test_any_bytes_in_any_attribute_never_raise_or_hide_the_other_card(tmp_path_
     _, devices = scan(host)
     assert BAD in devices
     assert_others_unharmed(devices)
+
+
+def test_a_garbled_mountinfo_line_makes_block_devices_unknown(tmp_path):
+    host = storage_node(tmp_path)
+    with (host.proc / "self" / "mountinfo").open("a") as f:
+        f.write("36 25 259:1 / /data rw,relatime\n")  # cut short: no "-" and no fstype
+    nvme = scan(host)[1]["0000:3d:00.0"]
+    assert not nvme.eligible and "is not a mountinfo line" in nvme.reason
+
+
+@pytest.mark.parametrize("content", ["", "259\n", "nvme0n1p1\n", "259:1:0\n"])
+def test_a_garbled_dev_file_makes_the_drive_unknown_not_free(tmp_path, content):
+    host = storage_node(tmp_path)
+    (host.sysfs / "class" / "block" / "nvme0n1p1" / "dev").write_text(content)
+    nvme = scan(host)[1]["0000:3d:00.0"]
+    assert not nvme.eligible and nvme.reported
+    assert nvme.reason.startswith("whether block device nvme0n1p1 is in use cannot be told (")
+    assert "nvme0n1p1/dev holds" in nvme.reason and "not a device number like 259:1" in nvme.reason
+
+
+def test_a_garbled_dev_file_of_a_holder_makes_the_drive_unknown(tmp_path):
+    host = storage_node(tmp_path)
+    host.hold("nvme0n1p2", "dm-0", name="vg0-data")
+    (host.sysfs / "class" / "block" / "dm-0" / "dev").unlink()
+    nvme = scan(host)[1]["0000:3d:00.0"]
+    assert nvme.reason.startswith("whether block device nvme0n1p2 → dm-0 (vg0-data) is in use cannot be told (")
+
+
+def test_unreadable_holders_make_the_drive_unknown(tmp_path):
+    host = storage_node(tmp_path)
+    holders = host.sysfs / "class" / "block" / "nvme0n1p2" / "holders"
+    holders.rmdir()
+    holders.write_text("")  # not a directory: cannot be listed
+    nvme = scan(host)[1]["0000:3d:00.0"]
+    assert not nvme.eligible and "nvme0n1p2/holders cannot be listed" in nvme.reason
+
+
+def test_a_loop_of_holders_ends_and_the_drive_is_not_offered(tmp_path):
+    host = storage_node(tmp_path)
+    host.hold("nvme0n1p2", "dm-0")
+    host.hold("dm-0", "dm-1")
+    host.hold("dm-1", "dm-0")  # no kernel builds this
+    found, devices = scan(host)
+    nvme = devices["0000:3d:00.0"]
+    assert not nvme.eligible
+    assert nvme.reason.startswith("whether block device nvme0n1p2 → dm-0 → dm-1 is in use cannot be told: "
+                                  "its holders loop back to dm-0")  # fmt: skip
+    assert_others_unharmed(scan(gpu_node(tmp_path / "other"))[1])
+
+
+def test_a_swap_that_names_no_block_device_makes_disks_unknown(tmp_path):
+    host = storage_node(tmp_path)
+    host.swapon("nvme0n1p2", path="/dev/disk/by-partlabel/swap")
+    nvme = scan(host)[1]["0000:3d:00.0"]
+    assert not nvme.eligible and "names no block device" in nvme.reason
+    assert "swapoff /dev/disk/by-partlabel/swap" in nvme.reason
+
+
+def test_a_swap_file_is_no_disk_of_its_own(tmp_path):
+    host = storage_node(tmp_path)
+    with (host.proc / "swaps").open("a") as f:
+        f.write("/swapfile                               file\t\t2097148\t\t0\t\t-2\n")
+    assert scan(host)[1]["0000:3d:00.0"].eligible
+
+
+def test_a_class_block_that_cannot_be_listed_keeps_storage_controllers_back(tmp_path):
+    host = storage_node(tmp_path)
+    shutil.rmtree(host.sysfs / "class" / "block")
+    (host.sysfs / "class" / "block").write_text("")
+    found, devices = scan(host)
+    nvme = devices["0000:3d:00.0"]
+    assert nvme.reason.startswith("whether any of its disks is in use cannot be told (")
+    assert "class/block cannot be listed" in nvme.reason
+    assert devices["0000:18:00.1"].eligible
+    assert sum("class/block" in p for p in found.problems) == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -113,33 +114,89 @@ def class_devices(sysfs_root: Path, cls: str) -> dict[str, Path]:
     return found
 
 
+def read_devnum(path: Path) -> tuple[int, int]:
+    """A block device's `dev` attribute (`259:3`) as (major, minor)."""
+    text = read_text(path)
+    match = re.fullmatch(r"([0-9]{1,10}):([0-9]{1,10})", text)
+    if not match:
+        raise SysfsError(f"{path} holds {text[:40]!r}, not a device number like 259:1")
+    return int(match.group(1)), int(match.group(2))
+
+
+def read_uevent(path: Path) -> dict[str, str]:
+    """A `uevent` attribute's KEY=value lines (a partition's PARTNAME, a disk's DEVTYPE)."""
+    return dict(line.split("=", 1) for line in read_text(path).splitlines() if "=" in line)
+
+
 def _unescape(field: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as octal escapes.
+    # The mount and swap tables write space, tab, newline and backslash as octal escapes.
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def mounts_file(proc_root: Path) -> Path:
+@dataclass(frozen=True)
+class Mount:
+    """One line of a mountinfo table."""
+
+    devnum: tuple[int, int]  # st_dev of the filesystem: the block device's, or (0, N) when it has none of its own
+    mountpoint: str
+    fstype: str
+    source: str  # what was mounted, as given to mount(2): /dev/nvme0n1p2, /dev/root, tank/home, tmpfs
+
+
+def mountinfo_file(proc_root: Path) -> Path:
     """The host's mount table.
 
-    `<proc>/mounts` is `self/mounts`: in a container (the agent's DaemonSet mounts the host's
-    /proc at /host/proc) that is the container's own mount namespace, which misses a disk
-    mounted only on the host. PID 1's table is the host's; fall back where it is not there.
+    `<proc>/self/mountinfo` is the reader's own mount namespace: in a container (the agent's
+    DaemonSet mounts the host's /proc at /host/proc) that misses a disk mounted only on the
+    host. PID 1's table is the host's; fall back where it is not readable.
     """
-    init = proc_root / "1" / "mounts"
-    return init if os.access(init, os.R_OK) else proc_root / "mounts"
+    init = proc_root / "1" / "mountinfo"
+    return init if os.access(init, os.R_OK) else proc_root / "self" / "mountinfo"
 
 
-def read_mounts(proc_root: Path) -> dict[str, list[str]]:
-    """Mount points by the basename of the mounted device (`nvme0n1p1` -> [`/data`])."""
-    mounts: dict[str, list[str]] = {}
-    for line in read_text(mounts_file(proc_root)).splitlines():
-        fields = line.split()
-        if len(fields) >= 2 and fields[0].startswith("/"):
-            mounts.setdefault(os.path.basename(_unescape(fields[0])), []).append(_unescape(fields[1]))
+def read_mountinfo(proc_root: Path) -> list[Mount]:
+    """The host's mounts. A line not laid out as the kernel writes it is an error, not skipped:
+    it could be the one that mounts a disk."""
+    path = mountinfo_file(proc_root)
+    mounts = []
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        # ID parent MAJ:MIN root mountpoint options [optional fields...] - fstype source superoptions
+        fields = line.split(" ")
+        devnum = re.fullmatch(r"([0-9]+):([0-9]+)", fields[2]) if len(fields) > 2 else None
+        try:
+            dash = fields.index("-", 6)
+        except ValueError:
+            dash = -1
+        if devnum is None or dash < 0 or len(fields) < dash + 3:
+            raise SysfsError(f"{path} line {number} is not a mountinfo line: {line[:80]!r}")
+        mounts.append(
+            Mount(
+                devnum=(int(devnum.group(1)), int(devnum.group(2))),
+                mountpoint=_unescape(fields[4]),
+                fstype=fields[dash + 1],
+                source=_unescape(fields[dash + 2]),
+            )
+        )
     return mounts
 
 
-def read_swaps(proc_root: Path) -> set[str]:
-    """Basenames of the devices used as swap (the header line and swap files match no block device)."""
-    lines = read_text(proc_root / "swaps").splitlines()[1:]
-    return {os.path.basename(_unescape(line.split()[0])) for line in lines if line.strip()}
+def read_swaps(proc_root: Path) -> list[tuple[str, str]]:
+    """The swap areas in use as (path, type): type `partition` for any block device (dm and md
+    included), `file` for a swap file (whose filesystem is mounted, and found as such)."""
+    path = proc_root / "swaps"
+    swaps = []
+    for number, line in enumerate(read_text(path).splitlines()[1:], start=2):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) < 2:
+            raise SysfsError(f"{path} line {number} is not a swaps line: {line[:80]!r}")
+        swaps.append((_unescape(fields[0]), fields[1]))
+    return swaps
+
+
+def zfs_pools(proc_root: Path) -> list[str]:
+    """The imported ZFS pools: each has a directory in `<proc>/spl/kstat/zfs` (the module's
+    own statistics there are files); [] without ZFS."""
+    base = proc_root / "spl" / "kstat" / "zfs"
+    return [name for name in entries(base) if (base / name).is_dir()]
