@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: run test unit integration crds protos controlplane cluster-up cluster-down bench venv clean
+.PHONY: run test unit integration crds protos controlplane cluster-up cluster-down bench chaos image venv clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,16 @@ cluster-down: venv
 bench: controlplane
 	@set -e; for script in e2e/bench/bench_controlplane.py $$(ls e2e/bench/bench_*.py | grep -v bench_controlplane); do \
 		echo "== $$script"; $(PY) $$script; done
+
+## The fault suite: every fault kind, many seeded trials (e2e/chaos.py); prints invariant
+## violations, time to converge and process exits. Pass flags with CHAOS_ARGS="--seed 42".
+chaos: controlplane
+	$(PY) e2e/chaos.py $(CHAOS_ARGS)
+
+## The container image, passthrough-operator:<the chart's appVersion> (e2e/image.py): buildah
+## and mmdebstrap from Debian's packages when missing, requirements.lock rewritten from .venv.
+image: venv
+	$(PY) -m e2e.image
 
 clean: cluster-down
 	rm -rf $(VENV) .cluster

@@ -151,6 +151,8 @@ class LocalCluster:
     processes: list[Process] = field(default_factory=list)
     server: str = ""
     token: str = ""
+    # How each component started is ready (url, check, tls), for `start_component`.
+    readiness: dict[str, tuple[str, Callable[[bytes], bool], bool]] = field(default_factory=dict, repr=False)
 
     @property
     def kubeconfig(self) -> Path:
@@ -215,7 +217,7 @@ class LocalCluster:
                 "--log-level=warn",
             ],
         )
-        self._wait_http(etcd, f"http://127.0.0.1:{etcd_client}/health", deadline, lambda b: b'"true"' in b)
+        self._wait_ready(etcd, f"http://127.0.0.1:{etcd_client}/health", deadline, _etcd_healthy)
 
         apiserver = self._spawn(
             "kube-apiserver",
@@ -241,7 +243,7 @@ class LocalCluster:
                 "--v=1",
             ],
         )
-        self._wait_http(apiserver, f"{self.server}/readyz", deadline, lambda b: b.strip() == b"ok")
+        self._wait_ready(apiserver, f"{self.server}/readyz", deadline, _says_ok)
 
         if before_controllers is not None:
             before_controllers(self)
@@ -266,8 +268,60 @@ class LocalCluster:
                 "--v=1",
             ],
         )
-        self._wait_http(kcm, f"https://127.0.0.1:{kcm_port}/healthz", deadline, lambda b: b.strip() == b"ok", tls=False)
+        self._wait_ready(kcm, f"https://127.0.0.1:{kcm_port}/healthz", deadline, _says_ok, tls=False)
         self._write_state()
+
+    # -- faults: one component at a time ---------------------------------------------------
+
+    def component(self, name: str) -> Process:
+        """The running (or stopped) process of `name`: etcd, kube-apiserver, kube-controller-manager."""
+        for proc in self.processes:
+            if proc.name == name:
+                return proc
+        raise ClusterError(f"no component {name!r} in this cluster; it has {', '.join(p.name for p in self.processes)}")
+
+    def stop_component(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15) -> bool:
+        """Stop one component and wait for it to exit (SIGKILL after `timeout`); the others keep running.
+        Whether it exited on `sig` alone.
+
+        Its data stays (etcd's database included), so `start_component` brings it back as it was.
+        Both servers stop listening at once on SIGTERM but take their time to exit (kube-apiserver
+        v1.37 about 15 s, etcd about 7 s, here): a short `timeout` makes it a quick stop.
+        """
+        proc = self.component(name)
+        _signal(proc, sig)
+        deadline = time.monotonic() + timeout
+        while _alive(proc) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _alive(proc):
+            return True
+        _signal(proc, signal.SIGKILL)
+        while _alive(proc):
+            time.sleep(0.05)
+        return False
+
+    def start_component(self, name: str, wait: bool = True, timeout: float = 60) -> None:
+        """Start a stopped component again with the arguments, ports and data it had.
+
+        With `wait=False` it returns once the process is spawned; `wait_component` waits for it
+        to be ready. Spawn from the thread that lives as long as the cluster (the main one):
+        the component is killed when the thread that spawned it ends.
+        """
+        proc = self.component(name)
+        if _alive(proc):
+            raise ClusterError(f"{name} is running; stop_component it first")
+        index = self.processes.index(proc)
+        self.processes.remove(proc)
+        self._spawn(name, proc.args)
+        self.processes.insert(index, self.processes.pop())  # its old place: `stop` stops newest first
+        if wait:
+            self.wait_component(name, timeout)
+        self._write_state()
+
+    def wait_component(self, name: str, timeout: float = 60) -> None:
+        """Return once `name` answers its readiness check as at start-up; ClusterError if not in `timeout`."""
+        url, ok, tls = self.readiness[name]
+        self._wait_http(self.component(name), url, time.monotonic() + timeout, ok, tls=tls)
 
     def stop(self, timeout: float = 15) -> None:
         """Stop every component, newest first; SIGKILL what has not exited in `timeout`.
@@ -304,6 +358,10 @@ class LocalCluster:
         proc.pid = proc.popen.pid
         self.processes.append(proc)
         return proc
+
+    def _wait_ready(self, proc: Process, url: str, deadline: float, ok: Callable[[bytes], bool], tls: bool = True) -> None:
+        self.readiness[proc.name] = (url, ok, tls)
+        self._wait_http(proc, url, deadline, ok, tls)
 
     def _wait_http(self, proc: Process, url: str, deadline: float, ok: Callable[[bytes], bool], tls: bool = True) -> None:
         context = None
@@ -375,6 +433,14 @@ class LocalCluster:
 
 class _PortTaken(Exception):
     pass
+
+
+def _etcd_healthy(body: bytes) -> bool:
+    return b'"true"' in body
+
+
+def _says_ok(body: bytes) -> bool:
+    return body.strip() == b"ok"
 
 
 def _alive(proc: Process) -> bool:

@@ -104,6 +104,7 @@ class OperatorProcess:
             [sys.executable, "-m", "passthrough", "operator", f"--kubeconfig={self.cluster.kubeconfig}",
              f"--liveness=http://127.0.0.1:{port}/healthz", *self.args],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=_die_with_parent,  # a benchmark or test killed outright takes its operator with it
         )
         deadline = time.monotonic() + timeout
         while True:

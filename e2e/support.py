@@ -231,3 +231,21 @@ async def create_kubevirt(api: client.ApiClient, namespace: str, gates=("Snapsho
         },
     }
     return await client.CustomObjectsApi(api).create_namespaced_custom_object("kubevirt.io", "v1", namespace, "kubevirts", body)
+
+
+def skip_loudly(request, what: str, reason: str, once_key: str = "") -> None:
+    """pytest.skip, with a yellow line in the terminal saying which tests and why (once per
+    session for `once_key`): a skip that hides a whole part of the suite must not pass unseen."""
+    import pytest
+
+    config = request.config
+    shown = config.__dict__.setdefault("_passthrough_loud_skips", set())
+    if not once_key or once_key not in shown:
+        shown.add(once_key)
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        capture = config.pluginmanager.get_plugin("capturemanager")
+        if reporter is not None:
+            with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+                reporter.ensure_newline()
+                reporter.write_line(f"SKIPPING every {what} test: {reason}", yellow=True, bold=True)
+    pytest.skip(f"{what} cannot run here: {reason}")

@@ -1,28 +1,37 @@
-"""Benchmark of the operator's device lifecycle against the real control plane.
+"""Benchmark of the operator against the real control plane: start-up, memory, restart, assignments.
 
-    python e2e/bench/bench_operator.py [--devices 2000] [--sequential 200] [--burst 500] [--idle 120]
+    python e2e/bench/bench_operator.py [--sizes 2000,5000,10000] [--assigned 5000]
+                                       [--sequential 200] [--burst 500] [--idle 30]
 
-With N NodePCIDevices reported (as node agents write them) and the operator running as its
-own process, it prints:
+NodePCIDevices are written as node agents write them (100 per simulated node) and the
+operator runs as its own process. In one run, with the machine's core count, it prints:
 
-- assignment latency, from the admin's spec write returning to the PCIDevice being visible
-  through a watch: p50/p99 for assignments made one at a time, and for a burst made at once;
-- the burst's total time beside a floor measured in the same run: the same creates and
-  status writes (PCIDevice apply, PCIDevice status, NodePCIDevice status) done by a plain
-  kubernetes-asyncio client at full concurrency, with no operator in the way;
-- API writes per assignment (from the API server's own counters, the admin's spec write
-  excluded), Events counted apart;
-- writes during an idle period (must be 0), writes at operator start-up, and the
-  operator's peak RSS (VmHWM).
+- start-up at each size: a fresh operator over N devices none of which has its conditions
+  yet, the time from launching it until every device's initial conditions are written, its
+  writes (expected: one each), CPU seconds and peak RSS (VmHWM); beside it the API server's
+  floor for the same N writes (the bodies `lifecycle.decide` makes, turned aside so that the
+  operator leaves them alone) by a plain kubernetes-asyncio client at full concurrency;
+- at the largest size: assignment latency one at a time (admin's spec write returning to
+  the PCIDevice visible through a watch, p50/p99), a burst of assignments at once beside its
+  floor (the same PCIDevice create + status and NodePCIDevice status writes by a plain
+  client) with the CPU every process spent in each, writes per assignment, then enough
+  assignments for `--assigned` PCIDevices and the operator's peak RSS with all of them, and
+  the writes during an idle period (must be 0);
+- a restart over all of it, every condition already holding: its writes (must be 0) and the
+  time from launch until its work queue first runs empty (its "start-up done" log line).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
+import datetime
+import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,10 +42,14 @@ from kubernetes_asyncio import client  # noqa: E402
 from e2e import cluster as local  # noqa: E402
 from e2e import support  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
-from passthrough.api.models import API_VERSION  # noqa: E402
-from passthrough.k8s import Custom, connect  # noqa: E402
+from passthrough.agent import report  # noqa: E402
+from passthrough.api.models import API_VERSION, GROUP, VERSION  # noqa: E402
+from passthrough.controller import lifecycle  # noqa: E402
+from passthrough.controller.informer import Informer  # noqa: E402
+from passthrough.k8s import AGENT_MANAGER, OPERATOR_MANAGER, Custom, connect  # noqa: E402
 
 OURS = ("pcidevices", "nodepcidevices")
+PER_NODE = 100
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -46,188 +59,340 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def cpu_seconds(cluster: local.LocalCluster, operator: OperatorProcess) -> dict[str, float]:
-    """CPU time (user + system) so far of the operator and the control-plane processes."""
-    pids = {"operator": operator.proc.pid, **{p.name: p.pid for p in cluster.processes}}
-    times = {name: psutil.Process(pid).cpu_times() for name, pid in pids.items()}
-    return {name: t.user + t.system for name, t in times.items()}
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
+class CPU:
+    """CPU seconds of the operator, the control plane and this process over a stretch of time."""
+
+    def __init__(self, cluster: local.LocalCluster, operator: OperatorProcess) -> None:
+        self.pids = {"operator": operator.proc.pid, **{p.name: p.pid for p in cluster.processes}, "benchmark": os.getpid()}
+        self.before, self.started = self._now(), time.monotonic()
+
+    def _now(self) -> dict[str, float]:
+        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def __str__(self) -> str:
+        used = {k: v - self.before[k] for k, v in self._now().items()}
+        wall = time.monotonic() - self.started
+        return (f"CPU over {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in used.items() if v >= 0.05)
+                + f" (all {sum(used.values()) / wall:.1f} of {os.cpu_count()} cores)")
+
+
+@dataclass(frozen=True)
 class Seen:
-    """Watches PCIDevices and records when each name first appears."""
+    """What the benchmark watches of an object: whether the operator's Assigned condition is on it."""
+
+    name: str
+    resource_version: str
+    conditioned: bool
+
+    @classmethod
+    def of(cls, body) -> Seen:
+        conditions = (body.get("status") or {}).get("conditions") or []
+        return cls(body["metadata"]["name"], body["metadata"].get("resourceVersion", ""),
+                   any(c.get("type") == "Assigned" for c in conditions))
+
+
+class Watched:
+    """NodePCIDevices with their initial conditions, and when each PCIDevice first appeared
+    (the operator's own informer, used as any client's watch cache)."""
 
     def __init__(self, api) -> None:
-        self.kind = Custom(api, "pcidevices", namespaced=True)
+        self.conditioned: set[str] = set()
         self.first: dict[str, float] = {}
-        self.waiters: dict[str, asyncio.Event] = {}
+        self._changed = asyncio.Event()
+        self.node_devices = Informer(api, "nodepcidevices", Seen.of, {}, self._node_device)
+        self.devices = Informer(api, "pcidevices", Seen.of, {}, self._device)
+        self.tasks = [asyncio.create_task(self.node_devices.run()), asyncio.create_task(self.devices.run())]
 
-    async def run(self) -> None:
-        rv = ""
-        while True:
+    def _node_device(self, old: Seen | None, new: Seen | None) -> None:
+        if new is not None and new.conditioned:
+            self.conditioned.add(new.name)
+        elif (new or old).name in self.conditioned:
+            self.conditioned.discard((new or old).name)
+        self._changed.set()
+
+    def _device(self, old: Seen | None, new: Seen | None) -> None:
+        if new is not None:
+            self.first.setdefault(new.name, time.monotonic())
+            self._changed.set()
+
+    async def until(self, predicate, timeout: float, what: str) -> float:
+        """Wait until `predicate()` holds; returns the time it first did."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self._changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
             try:
-                if not rv:
-                    listing = await self.kind.list()
-                    rv = listing["metadata"]["resourceVersion"]
-                    for obj in listing["items"]:
-                        self._saw(obj["metadata"]["name"])
-                async for kind, obj in self.kind.watch(resource_version=rv, timeout=600):
-                    rv = obj["metadata"].get("resourceVersion", rv)
-                    if kind == "ADDED":
-                        self._saw(obj["metadata"]["name"])
-            except client.exceptions.ApiException as exc:  # 410 too old, 429 storage initializing
-                if exc.status == 410:
-                    rv = ""
-                await asyncio.sleep(0.2)
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 1))
+            except TimeoutError:
+                pass
+        return time.monotonic()
 
-    def _saw(self, name: str) -> None:
-        self.first.setdefault(name, time.monotonic())
-        if name in self.waiters:
-            self.waiters[name].set()
-
-    async def wait(self, name: str, timeout: float = 60) -> float:
-        if name not in self.first:
-            event = self.waiters.setdefault(name, asyncio.Event())
-            await asyncio.wait_for(event.wait(), timeout)
-        return self.first[name]
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def assign(api, name: str, namespace: str) -> float:
-    await support.assign(api, name, namespace)
+class Fleet:
+    """NodePCIDevices as node agents write them: the object, then its status."""
+
+    def __init__(self, api) -> None:
+        self.api, self.kind = api, Custom(api, "nodepcidevices")
+        self.nodes: list[report.Node] = []
+        self.names: list[str] = []
+        self.records: dict[str, dict] = {}  # name -> the object as written (uid, attributes)
+
+    async def grow(self, size: int) -> float:
+        started = time.monotonic()
+        while len(self.nodes) * PER_NODE < size:
+            self.nodes.append(await support.ensure_node(self.api, f"bench-node-{len(self.nodes)}"))
+        limit = asyncio.Semaphore(64)
+
+        async def one(i: int) -> str:
+            node, j = self.nodes[i // PER_NODE], i % PER_NODE
+            device = support.gpu(f"0000:{j // 8 + 1:02x}:{j % 8:02x}.0")
+            name = report.object_name(device, node.name)
+            async with limit:
+                live = await self.kind.apply(report.identity(name, node), AGENT_MANAGER)
+                status = report.present_status(device, name, node.name, "")
+                self.records[name] = await self.kind.apply(report.status_body(name, status, live), AGENT_MANAGER, status=True)
+            return name
+
+        self.names += await asyncio.gather(*(one(i) for i in range(len(self.names), size)))
+        return time.monotonic() - started
+
+
+def operator_writes(record: dict, namespace: str = "") -> list:
+    """The writes the operator itself decides for a device as `record` shows it (assigned to
+    `namespace`), turned so that it leaves them alone: the PCIDevice named floor-..., its own
+    condition types on the NodePCIDevice. The floor writes these: the same bodies, sizes and
+    all, by a plain client."""
+    body = {**record, "spec": {**(record.get("spec") or {}), "assignedNamespace": namespace}}
+    world = lifecycle.World(name=record["metadata"]["name"], node_device=lifecycle.NodeDevice.of(body), devices=(),
+                            namespaces={namespace: "Active"} if namespace else {}, referencing_vms={},
+                            now=datetime.datetime.now(datetime.UTC))
+    writes = []
+    for write in lifecycle.decide(world).writes:
+        body = copy.deepcopy(write.body)
+        if isinstance(write, lifecycle.ApplyNodeDeviceStatus):
+            body["status"].pop("assignedNamespaceRef", None)
+            for condition in body["status"]["conditions"]:
+                condition["type"] = f"Floor{condition['type']}"
+            writes.append(("nodepcidevices", body))
+        else:
+            body["metadata"]["name"] = f"floor-{body['metadata']['name']}"
+            writes.append(("pcidevices-status" if isinstance(write, lifecycle.ApplyDeviceStatus) else "pcidevices", body))
+    return writes
+
+
+async def floor_of(api, bodies: list[list]) -> float:
+    """Each list of writes in order, all lists at once, by a plain client at full concurrency."""
+    kinds = {"nodepcidevices": (Custom(api, "nodepcidevices"), True), "pcidevices": (Custom(api, "pcidevices", namespaced=True), False),
+             "pcidevices-status": (Custom(api, "pcidevices", namespaced=True), True)}
+
+    async def one(writes: list) -> None:
+        for kind, body in writes:
+            custom, status = kinds[kind]
+            await custom.apply(body, "bench-floor", status=status)
+
+    started = time.monotonic()
+    await asyncio.gather(*(one(w) for w in bodies))
+    return time.monotonic() - started
+
+
+async def clear_operator_conditions(api, names: list[str]) -> None:
+    """Take back what an earlier operator wrote, so the next one starts from scratch."""
+    kind = Custom(api, "nodepcidevices")
+    limit = asyncio.Semaphore(64)
+
+    async def one(name: str) -> None:
+        async with limit:
+            await kind.apply({"apiVersion": API_VERSION, "kind": "NodePCIDevice", "metadata": {"name": name}, "status": {}},
+                             OPERATOR_MANAGER, status=True)
+
+    await asyncio.gather(*(one(n) for n in names))
+
+
+async def start_operator(cluster, workdir: Path, label: str, extra: list[str]) -> tuple[OperatorProcess, float]:
+    operator = OperatorProcess(cluster, workdir / f"operator-{label}.log", *extra)
+    launched = time.monotonic()
+    # In this thread: the operator dies with the thread that started it (PR_SET_PDEATHSIG).
+    operator.start(60)
+    return operator, launched
+
+
+async def until_started_up(operator: OperatorProcess, timeout: float) -> float:
+    """When the operator's work queue first ran empty (its "start-up done" line)."""
+    deadline = time.monotonic() + timeout
+    while "start-up done" not in operator.output():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no 'start-up done' from the operator in {timeout:.0f}s:\n{operator.output()[-3000:]}")
+        await asyncio.sleep(0.1)
     return time.monotonic()
 
 
-async def floor(api, names: list[str], namespace: str, node_devices: dict[str, dict]) -> float:
-    """The operator's three writes per assignment, by a plain client at full concurrency."""
-    devices, npci = Custom(api, "pcidevices", namespaced=True), Custom(api, "nodepcidevices")
+async def assign_many(api, names: list[str], namespaces: list[str], concurrency: int = 64) -> None:
+    limit = asyncio.Semaphore(concurrency)
 
-    async def one(name: str) -> None:
-        owner = node_devices[name]
-        meta = {"name": f"floor-{name}", "namespace": namespace}
-        await devices.apply({"apiVersion": API_VERSION, "kind": "PCIDevice", "metadata": {
-            **meta, "labels": {"passthrough.io/node": owner["status"]["attributes"]["nodeName"]},
-            "ownerReferences": [{"apiVersion": API_VERSION, "kind": "NodePCIDevice", "name": name,
-                                 "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]}},
-            "bench-floor")
-        await devices.apply({"apiVersion": API_VERSION, "kind": "PCIDevice", "metadata": meta,
-                             "status": {"attributes": owner["status"]["attributes"], "resourceName": f"passthrough.io/{name}"}},
-                            "bench-floor", status=True)
-        await npci.apply({"apiVersion": API_VERSION, "kind": "NodePCIDevice", "metadata": {"name": name}, "status": {
-            "conditions": [{"type": "BenchFloor", "status": "True", "reason": "Floor", "message": "",
-                            "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}, "bench-floor", status=True)
+    async def one(i: int, name: str) -> None:
+        async with limit:
+            await support.assign(api, name, namespaces[i % len(namespaces)])
 
-    started = time.monotonic()
-    await asyncio.gather(*(one(n) for n in names))
-    return time.monotonic() - started
+    await asyncio.gather(*(one(i, n) for i, n in enumerate(names)))
 
 
 async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
     api = await connect(str(cluster.kubeconfig))
-    npci = Custom(api, "nodepcidevices")
-    namespaces = [f"bench-{i}" for i in range(10)] + ["bench-floor"]
-    for ns in namespaces:
+    namespaces = [f"bench-{i}" for i in range(10)]
+    for ns in [*namespaces, "bench-floor"]:
         await support.create_namespace(api, ns)
-
-    per_node = 100
-    limit = asyncio.Semaphore(32)
-    nodes = [await support.ensure_node(api, f"bench-node-{i}") for i in range((args.devices + per_node - 1) // per_node)]
-
-    async def report(i: int) -> str:
-        node = nodes[i // per_node]
-        j = i % per_node
-        async with limit:
-            return await support.report_device(api, node, support.gpu(f"0000:{j // 8 + 1:02x}:{j % 8:02x}.0"))
-
-    started = time.monotonic()
-    names = await asyncio.gather(*(report(i) for i in range(args.devices)))
-    print(f"setup: {args.devices} NodePCIDevices written as agents would in {time.monotonic() - started:.1f}s")
-
-    before = await support.write_counts(api)
-    operator = OperatorProcess(cluster, workdir / "operator.log", *args.operator_args)
-    started = time.monotonic()
-    operator.start()
-
-    async def all_conditioned() -> bool:
-        items = (await npci.list())["items"]
-        return all(any(c["type"] == "Assigned" for c in (d.get("status") or {}).get("conditions", [])) for d in items)
-
-    await support.wait_for(all_conditioned, 600, interval=0.5, what="initial conditions on every device")
-    await support.quiet(api, OURS + ("events",), settle=3, timeout=600)
-    after = await support.write_counts(api)
-    print(f"operator start-up: initial conditions of {args.devices} devices written within {time.monotonic() - started - 3:.1f}s, "
-          f"{support.writes_between(before, after, *OURS)} writes")
-
-    seen = Seen(api)
-    watcher = asyncio.create_task(seen.run())
-    await asyncio.sleep(1)
+    fleet = Fleet(api)
+    watched = Watched(api)
+    sizes = sorted(args.sizes)
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
+    rows = []
+    operator = None
     try:
+        for size in sizes:
+            grown = await fleet.grow(size)
+            names = fleet.names[:size]
+            print(f"setup: {size} NodePCIDevices written as agents would ({grown:.1f}s for the new ones)")
+            await clear_operator_conditions(api, sorted(watched.conditioned))
+            await watched.until(lambda: not watched.conditioned, 120, "the earlier operator's conditions to be cleared")
+            await support.quiet(api, OURS, settle=2, timeout=300)
+            floor = await floor_of(api, [operator_writes(fleet.records[n]) for n in names])
+            await support.quiet(api, OURS, settle=2, timeout=300)
+            before = await support.write_counts(api)
+            operator, launched = await start_operator(cluster, workdir, str(size), args.operator_args)
+            done = await watched.until(lambda: len(watched.conditioned) >= size and watched.conditioned.issuperset(names), 900,
+                                       f"initial conditions on {size} devices")
+            await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
+            writes = support.writes_between(before, await support.write_counts(api), *OURS)
+            row = (size, done - launched, floor, writes, cpu_seconds(operator.proc.pid), peak_rss_mib(operator.proc.pid))
+            rows.append(row)
+            print(f"start-up over {size} devices: initial conditions written {row[1]:.1f}s after launch, {writes} writes, "
+                  f"operator CPU {row[4]:.1f}s, peak RSS {row[5]:.0f} MiB; floor for {size} writes {floor:.1f}s")
+            if size != sizes[-1]:
+                operator.stop()
+        biggest = sizes[-1]
+
         # One at a time.
-        sequential = names[: args.sequential]
+        free = iter(fleet.names)
+        sequential = [next(free) for _ in range(args.sequential)]
         before = await support.write_counts(api)
         latencies = []
         for i, name in enumerate(sequential):
-            written = await assign(api, name, namespaces[i % 10])
-            latencies.append(await seen.wait(name) - written)
+            await support.assign(api, name, namespaces[i % 10])
+            written = time.monotonic()
+            latencies.append(await watched.until(lambda: name in watched.first, 60, f"PCIDevice {name}") - written)
         await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
         after = await support.write_counts(api)
         writes = support.writes_between(before, after, *OURS) - len(sequential)  # the admin's own spec writes
         events = support.writes_between(before, after, "events")
-        print(f"sequential: {len(sequential)} assignments one at a time: latency p50 {support.p50_p99(latencies)[0] * 1000:.0f} ms, "
-              f"p99 {support.p50_p99(latencies)[1] * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms")
-        print(f"writes per assignment: {writes / len(sequential):.2f} "
-              f"(PCIDevice create + status, NodePCIDevice status), plus {events / len(sequential):.2f} Events")
+        p50, p99 = support.p50_p99(latencies)
+        print(f"sequential at {biggest} devices: {len(sequential)} assignments one at a time: latency p50 {p50 * 1000:.0f} ms, "
+              f"p99 {p99 * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms; {writes / len(sequential):.2f} writes per "
+              f"assignment (PCIDevice create + status, NodePCIDevice status), plus {events / len(sequential):.2f} Events")
 
-        # A burst.
-        burst = names[args.sequential: args.sequential + args.burst]
+        # A burst, and its floor.
+        burst = [next(free) for _ in range(args.burst)]
         before = await support.write_counts(api)
-        cpu_before = cpu_seconds(cluster, operator)
-        burst_started = time.monotonic()
-        written_at = await asyncio.gather(*(assign(api, name, namespaces[i % 10]) for i, name in enumerate(burst)))
-        seen_at = await asyncio.gather(*(seen.wait(name, 300) for name in burst))
-        total = max(seen_at) - burst_started
-        cpu = {k: v - cpu_before[k] for k, v in cpu_seconds(cluster, operator).items()}
-        burst_latencies = [s - w for s, w in zip(seen_at, written_at, strict=True)]
+        cpu_before = cpu_seconds(operator.proc.pid)
+        cpu_burst = CPU(cluster, operator)
+        started = time.monotonic()
+        written_at = {}
+
+        async def assign_one(i: int, name: str) -> None:
+            await support.assign(api, name, namespaces[i % 10])
+            written_at[name] = time.monotonic()
+
+        await asyncio.gather(*(assign_one(i, n) for i, n in enumerate(burst)))
+        total = await watched.until(lambda: all(n in watched.first for n in burst), 300, "the burst's PCIDevices") - started
+        cpu_burst = str(cpu_burst)
+        cpu = cpu_seconds(operator.proc.pid) - cpu_before
+        p50, p99 = support.p50_p99([watched.first[n] - written_at[n] for n in burst])
         await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
         after = await support.write_counts(api)
         burst_writes = support.writes_between(before, after, *OURS) - len(burst)
-        print(f"burst: {len(burst)} assignments at once: latency p50 {support.p50_p99(burst_latencies)[0] * 1000:.0f} ms, "
-              f"p99 {support.p50_p99(burst_latencies)[1] * 1000:.0f} ms; all visible {total:.2f}s after the first write; "
-              f"{burst_writes / len(burst):.2f} writes per assignment")
-        print(f"burst CPU until all visible ({total:.1f}s wall, 2 cores): "
-              + ", ".join(f"{k} {v:.1f}s" for k, v in cpu.items()))
+        burst_events = support.writes_between(before, after, "events")
+        floor_names = [next(free) for _ in range(args.burst)]
+        cpu_floor = CPU(cluster, operator)
+        burst_floor = await floor_of(api, [operator_writes(fleet.records[n], "bench-floor") for n in floor_names])
+        cpu_floor = str(cpu_floor)
+        await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
+        print(f"burst: {len(burst)} assignments at once (the admin's writes returned within "
+              f"{max(written_at.values()) - started:.2f}s): all visible {total:.2f}s after the first write (latency p50 "
+              f"{p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms), {burst_writes / len(burst):.2f} writes and "
+              f"{burst_events / len(burst):.2f} Events per assignment, operator CPU {cpu:.1f}s; floor (the same "
+              f"{3 * len(floor_names)} writes by a plain client) {burst_floor:.2f}s: burst/floor {total / burst_floor:.2f}x")
+        print(f"  burst {cpu_burst}\n  floor {cpu_floor}")
 
-        # The floor: the same writes, no operator logic, full concurrency.
-        node_devices = {d["metadata"]["name"]: d for d in (await npci.list())["items"]}
-        floor_names = names[args.sequential + args.burst: args.sequential + 2 * args.burst]
-        if len(floor_names) < len(burst):
-            floor_names = burst
-        floor_time = await floor(api, floor_names, "bench-floor", node_devices)
-        print(f"floor: the same {3 * len(floor_names)} writes by a plain client at full concurrency: {floor_time:.2f}s "
-              f"(burst/floor {total / floor_time:.1f}x)")
+        # Up to `--assigned` PCIDevices, then the memory they cost.
+        more = [next(free) for _ in range(max(0, args.assigned - len(sequential) - len(burst)))]
+        started = time.monotonic()
+        await assign_many(api, more, namespaces)
+        assigned = [*sequential, *burst, *more]
+        await watched.until(lambda: len(watched.first) >= len(assigned) and all(n in watched.first for n in assigned), 900,
+                            f"{len(assigned)} PCIDevices")
+        print(f"assigned: {len(more)} more in {time.monotonic() - started:.1f}s, {len(assigned)} PCIDevices in all")
+        await support.quiet(api, OURS + ("events",), settle=3, timeout=300)
 
         # Idle.
-        await support.quiet(api, OURS + ("events",), settle=3, timeout=300)
         before = await support.write_counts(api)
         await asyncio.sleep(args.idle)
         after = await support.write_counts(api)
-        print(f"idle: writes during {args.idle:.0f}s with nothing to do: "
-              f"{support.writes_between(before, after, *OURS, 'events', 'passthroughconfigs', 'kubevirts')}")
-        print(f"operator peak RSS: {peak_rss_mib(operator.proc.pid):.0f} MiB (VmHWM) with {args.devices} NodePCIDevices, "
-              f"{len(seen.first)} PCIDevices")
-    finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        idle_writes = support.writes_between(before, after, *OURS, "events", "passthroughconfigs", "kubevirts")
+        print(f"idle: writes during {args.idle:.0f}s with nothing to do: {idle_writes}")
+        memory = peak_rss_mib(operator.proc.pid)
+        print(f"memory: operator peak RSS {memory:.0f} MiB (VmHWM) with {biggest} NodePCIDevices and {len(assigned)} PCIDevices")
         operator.stop()
+
+        # A restart over all of it.
+        before = await support.write_counts(api)
+        operator, launched = await start_operator(cluster, workdir, "restart", args.operator_args)
+        ready = await until_started_up(operator, 300) - launched
+        await support.quiet(api, OURS + ("events",), settle=3, timeout=300)
+        restart_writes = support.writes_between(before, await support.write_counts(api), *OURS, "events")
+        print(f"restart over {biggest} devices ({len(assigned)} assigned), conditions already holding: {restart_writes} writes, "
+              f"work queue empty {ready:.1f}s after launch, peak RSS {peak_rss_mib(operator.proc.pid):.0f} MiB")
+
+        print(f"\nsummary ({os.cpu_count()} cores)")
+        print(f"{'devices':>10} {'start-up':>10} {'floor':>8} {'ratio':>6} {'writes':>7} {'CPU':>7} {'peak RSS':>9}")
+        for size, took, floor, writes, cpu, rss in rows:
+            print(f"{size:>10} {took:>9.1f}s {floor:>7.1f}s {took / floor:>5.1f}x {writes:>7} {cpu:>6.1f}s {rss:>6.0f} MiB")
+        if len(rows) > 1:
+            (s0, t0, *_, r0), (s1, t1, *_, r1) = rows[0], rows[-1]
+            per = 1000 / (s1 - s0)
+            print(f"per 1,000 devices more: start-up +{(t1 - t0) * per:.1f}s, peak RSS +{(r1 - r0) * per:.1f} MiB")
+        print(f"memory with {biggest} NodePCIDevices and {len(assigned)} PCIDevices: {memory:.0f} MiB")
+        print(f"burst/floor: {total / burst_floor:.2f}x ({len(burst)} assignments)")
+        print(f"restart: {restart_writes} writes, queue empty after {ready:.1f}s")
+    finally:
+        if operator is not None:
+            operator.stop()
+        await watched.close()
         await api.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, default=2000)
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[2000, 5000, 10000],
+                        help="device counts to start the operator over, comma-separated (default 2000,5000,10000)")
+    parser.add_argument("--assigned", type=int, default=5000, help="PCIDevices at the largest size, for the memory figure")
     parser.add_argument("--sequential", type=int, default=200)
     parser.add_argument("--burst", type=int, default=500)
-    parser.add_argument("--idle", type=float, default=120, help="seconds of idleness to count writes over")
+    parser.add_argument("--idle", type=float, default=30, help="seconds of idleness to count writes over")
     parser.add_argument("--operator-args", nargs="*", default=[], help="extra arguments for passthrough operator")
     args = parser.parse_args()
+    if max(args.sizes) < args.assigned or max(args.sizes) < args.sequential + 2 * args.burst:
+        parser.error("the largest size must hold --assigned devices and the sequential, burst and floor ones")
     with tempfile.TemporaryDirectory() as tmp:
         cluster = local.start(Path(tmp))
         try:
@@ -239,3 +404,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,11 +43,19 @@ def _cmd_crds(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("passthrough-operator")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="passthrough",
         description="PCI and GPU passthrough for KubeVirt virtual machines.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("operator", help="run the operator (Kopf)")
@@ -140,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Names read from the host (drivers, interfaces, mount points) are file names, which are
+    # bytes: one that is not UTF-8 is printed escaped, not a UnicodeEncodeError on a strict
+    # UTF-8 stdout.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     return args.func(args)
 
 

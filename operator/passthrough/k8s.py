@@ -7,6 +7,8 @@ kubernetes-asyncio, so every write is a server-side apply under a named field ma
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import datetime
 import json
 import logging
@@ -14,7 +16,10 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import aiohttp
+import yarl
 from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client import rest as _rest
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.api.models import GROUP, VERSION
@@ -33,22 +38,58 @@ class CannotStart(RuntimeError):
     """No kubeconfig, no API server, no CRDs: the message says what to do."""
 
 
-async def connect(kubeconfig: str | None = None) -> client.ApiClient:
-    """An API client from the in-cluster service account, else from a kubeconfig."""
-    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-        config.load_incluster_config()
-        return client.ApiClient()
+class _Utf8Json:
+    """What the generated client's REST layer calls `json`: bodies as UTF-8, not \\u escapes.
+
+    It serializes every body with `json.dumps`, whose ASCII escapes write a character beyond
+    the Basic Multilingual Plane (an emoji in a device's name) as a surrogate pair, which is
+    JSON but not YAML: the API server parses apply patches as YAML and answers 400, and the
+    object's key would retry for ever.
+    """
+
+    @staticmethod
+    def dumps(obj: Any, **kwargs: Any) -> str:
+        return json.dumps(obj, ensure_ascii=False, **kwargs)
+
+
+_rest.json = _Utf8Json  # type: ignore[assignment]
+
+
+async def connect(kubeconfig: str | None = None, connections: int = 64) -> client.ApiClient:
+    """An API client from the in-cluster service account, else from a kubeconfig.
+
+    `connections`: how many requests may be in flight at once. Each open TLS connection holds
+    a 256 KiB buffer in asyncio, so a long-running process keeps this to what it needs.
+    """
     configuration = client.Configuration()
-    try:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    except (config.ConfigException, OSError) as exc:
-        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-        raise CannotStart(
-            f"no usable kubeconfig at {where} ({exc}); pass --kubeconfig, set KUBECONFIG, or run in a pod"
-        ) from None
-    # Many small requests in parallel (hundreds of devices at start-up) share these.
-    configuration.connection_pool_maxsize = 64
-    return client.ApiClient(configuration)
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        config.load_incluster_config(client_configuration=configuration)
+    else:
+        try:
+            await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        except (config.ConfigException, OSError) as exc:
+            where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+            raise CannotStart(
+                f"no usable kubeconfig at {where} ({exc}); pass --kubeconfig, set KUBECONFIG, or run in a pod"
+            ) from None
+    configuration.connection_pool_maxsize = connections
+    api = client.ApiClient(configuration)
+    _resolve_proxy_once(api, configuration)
+    return api
+
+
+def _resolve_proxy_once(api: client.ApiClient, configuration: client.Configuration) -> None:
+    # Trusting the environment, aiohttp reads ~/.netrc and the proxy variables in a worker
+    # thread for every request: a tenth of the operator's CPU in a burst. The server is one
+    # and known, so its proxy (if the environment names one) is looked up once, here.
+    session = api.rest_client.pool_manager
+    if not configuration.proxy:
+        with contextlib.suppress(LookupError):
+            proxy, auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(configuration.host))
+            api.rest_client.proxy = str(proxy)
+            if auth is not None:
+                api.rest_client.proxy_headers = {"Proxy-Authorization": auth.encode()}
+    session._trust_env = False  # noqa: SLF001 (no public switch once the session exists)
 
 
 async def require_crds(api: client.ApiClient, *plurals: str) -> None:
@@ -252,41 +293,102 @@ class Mirror:
                 backoff = min(backoff * 2, 30)
 
 
+_REFERENCE_FIELDS = {"api_version": "apiVersion", "resource_version": "resourceVersion", "field_path": "fieldPath"}
+
+
 class EventRecorder:
     """Posts core/v1 Events in the background; a failure to post is logged, never raised.
+
+    Events wait their turn in a queue, at most `concurrency` in flight. With `quiet` (a wait
+    until the poster's own work is done, such as the work queue running empty), an Event also
+    waits for that, but never more than `max_delay` seconds: in a burst (hundreds of
+    assignments at once) they yield the API server to the writes that make the transitions.
+    None is dropped for that: every transition gets its Event, in order, seconds later at
+    most, stamped with when it happened. Should more than `backlog` wait (the API server
+    away for long), the oldest are dropped and counted in a warning; the objects' conditions
+    still say where each one stands.
 
     Events of cluster-scoped objects go to the `default` namespace, where kubectl describe
     finds them.
     """
 
-    def __init__(self, api: client.ApiClient, component: str) -> None:
-        self.core = client.CoreV1Api(api)
+    def __init__(
+        self, api: client.ApiClient | client.CoreV1Api, component: str, concurrency: int = 4, backlog: int = 10_000,
+        quiet: Callable[[], Awaitable[None]] | None = None, max_delay: float = 10.0,
+    ) -> None:  # fmt: skip
+        self.core = client.CoreV1Api(api) if isinstance(api, client.ApiClient) else api
         self.component = component
-        self._tasks: set[asyncio.Task] = set()
+        self.concurrency, self.backlog = concurrency, backlog
+        self.quiet, self.max_delay = quiet, max_delay
+        self._pending: collections.deque[tuple[float, tuple[dict[str, Any], str, str, str, datetime.datetime]]] = collections.deque()
+        self._posters: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._failures: set[str] = set()
+        self.dropped = 0
 
     def post(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
-        task = asyncio.create_task(self._post(involved, type_, reason, message))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _post(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        if len(self._pending) >= self.backlog:
+            self._pending.popleft()
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("%d Events dropped: more than %d waited to be posted", self.dropped, self.backlog)
         now = datetime.datetime.now(datetime.UTC)
+        self._pending.append((asyncio.get_running_loop().time(), (involved, type_, reason, message, now)))
+        self._idle.clear()
+        self._start_posters()
+
+    def _start_posters(self) -> None:
+        # A poster that has returned but whose done-callback has not run yet counts as gone.
+        while self._pending and sum(not t.done() for t in self._posters) < min(self.concurrency, len(self._pending)):
+            task = asyncio.create_task(self._poster())
+            self._posters.add(task)
+            task.add_done_callback(self._poster_done)
+
+    def _poster_done(self, task: asyncio.Task) -> None:
+        self._posters.discard(task)
+        if not task.cancelled():
+            self._start_posters()
+        if not self._posters:
+            self._idle.set()
+
+    async def _poster(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            hold = self.max_delay - (loop.time() - self._pending[0][0])
+            if self.quiet is not None and hold > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.quiet(), hold)
+                if not self._pending:
+                    break
+            await self._post(*self._pending.popleft()[1])
+
+    async def _post(self, involved: dict[str, Any], type_: str, reason: str, message: str, when: datetime.datetime) -> None:
         namespace = involved.get("namespace") or "default"
-        event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{involved['name']}.", namespace=namespace),
-            involved_object=client.V1ObjectReference(**involved),
-            reason=reason,
-            message=message[:1024],
-            type=type_,
-            source=client.V1EventSource(component=self.component),
-            reporting_component=self.component,
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
-        )
+        stamp = when.isoformat()  # when it happened, not when its turn came
+        # A plain body, and the answer left unread: the client's models would cost more CPU
+        # than the request itself (a date parser per timestamp).
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
+            "involvedObject": {_REFERENCE_FIELDS.get(k, k): v for k, v in involved.items()},
+            "reason": reason,
+            "message": message[:1024],
+            "type": type_,
+            "source": {"component": self.component},
+            "reportingComponent": self.component,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
         try:
-            await self.core.create_namespaced_event(namespace, event)
+            response = await self.core.create_namespaced_event(namespace, event, _request_timeout=30, _preload_content=False)
+            try:
+                if not 200 <= response.status < 300:
+                    raise ApiException(status=response.status, reason=response.reason)
+            finally:
+                response.release()
         except Exception as exc:  # Events are best effort: losing one must not stop a reconcile
             # ...but a lasting cause (RBAC, a missing namespace) is worth one warning.
             cause = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else type(exc).__name__
@@ -296,5 +398,15 @@ class EventRecorder:
                             cause, reason, involved.get("name"))
 
     async def drain(self) -> None:
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Wait until every Event posted so far has been sent (or has failed)."""
+        await self._idle.wait()
+
+    async def close(self, timeout: float = 5) -> None:
+        """Drain for at most `timeout` seconds (the API server may be gone), then stop posting."""
+        self.quiet = None  # nothing more to wait for
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.drain(), timeout)
+        self._pending.clear()
+        for task in list(self._posters):
+            task.cancel()
+        await asyncio.gather(*self._posters, return_exceptions=True)

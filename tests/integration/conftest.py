@@ -71,17 +71,8 @@ def _kubelet_or_skip(request, cluster) -> None:
     from e2e import kubelet
 
     reason = kubelet.why_unavailable(cluster)
-    if reason is None:
-        return
-    if not getattr(request.config, "_kubelet_skip_reported", False):
-        request.config._kubelet_skip_reported = True
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        if reporter is not None:
-            with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-                reporter.ensure_newline()
-                reporter.write_line(f"SKIPPING every real-kubelet test: {reason}", yellow=True, bold=True)
-    pytest.skip(f"real kubelet cannot run here: {reason}")
+    if reason is not None:
+        support.skip_loudly(request, "real-kubelet", reason, once_key="kubelet")
 
 
 class KubeletNodes:

@@ -39,3 +39,11 @@ def test_without_a_usable_kubeconfig_the_message_says_what_to_do(command, tmp_pa
 def test_a_bad_duration_is_a_usage_error(args, message):
     result = run(*args)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_version_names_the_installed_package():
+    import importlib.metadata
+
+    result = run("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"passthrough {importlib.metadata.version('passthrough-operator')}"

@@ -109,3 +109,14 @@ def test_a_vendor_outside_the_gpu_table_exits_2_saying_what_is_accepted(capsys):
     code, out, err = run(capsys, "resource-name", "--pci-ids", IDS_2025, "10de:2236", "1af4:1041")
     assert code == 2 and out == ""
     assert "1af4:1041" in err and "10de" in err and "1002" in err and "8086" in err
+
+
+def test_discover_names_the_damaged_lines_of_a_database_it_still_uses(tmp_path, capsys):
+    ids = tmp_path / "pci.ids"
+    ids.write_bytes(Path(IDS_2025).read_bytes() + b"\tzzzz  not an entry\n")
+    host = gpu_node(tmp_path / "host")
+    code, out, err = run(capsys, "discover", "--sysfs-root", str(host.sysfs), "--proc-root", str(host.proc),
+                         "--pci-ids", str(ids), "-o", "json")  # fmt: skip
+    assert code == 0
+    assert json.loads(out)["devices"][0]["resourceName"] == "nvidia.com/GA102GL_A10"
+    assert "damaged lines" in err and "zzzz" in err and "reinstall the hwdata" in err

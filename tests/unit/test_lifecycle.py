@@ -83,13 +83,14 @@ def settle(w: lc.World) -> lc.World:
                 del devices[write.namespace]
         elif isinstance(write, lc.ApplyNodeDeviceStatus):
             conds = {c["type"]: Cond.of(c) for c in write.body["status"]["conditions"]}
-            npci = lc.NodeDevice(**{**npci.__dict__, "assigned": conds["Assigned"], "attached": conds["Attached"],
-                                    "missing_since": write.body["status"].get("missingSince", ""),
-                                    "handed_to": lc.NodeDevice.of({"metadata": {"name": NAME}, "status": write.body["status"]}).handed_to})  # fmt: skip
+            npci = dataclasses.replace(npci, assigned=conds["Assigned"], attached=conds["Attached"],
+                                       missing_since=write.body["status"].get("missingSince", ""),
+                                       node_gone_since=write.body["status"].get("nodeGoneSince", ""),
+                                       handed_to=lc.NodeDevice.of({"metadata": {"name": NAME}, "status": write.body["status"]}).handed_to)  # fmt: skip
         elif isinstance(write, lc.ApplyNodeDeviceFinalizer):
             if npci.deleting and set(write.body["metadata"]["finalizers"]) - set(npci.finalizers):
                 raise AssertionError("a finalizer planned onto the deleting NodePCIDevice")
-            npci = lc.NodeDevice(**{**npci.__dict__, "finalizers": tuple(write.body["metadata"]["finalizers"])})
+            npci = dataclasses.replace(npci, finalizers=tuple(write.body["metadata"]["finalizers"]))
     for ns, d in list(devices.items()):
         if d.deleting and not d.metadata["finalizers"]:
             del devices[ns]
@@ -132,7 +133,7 @@ def test_a_state_that_already_holds_writes_nothing():
 
 def test_unassigning_deletes_the_pcidevice_and_says_available():
     settled = converge(world(node_device("team-a")))
-    unassigned = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": ""}), settled.devices,
+    unassigned = lc.World(NAME, dataclasses.replace(settled.node_device, assigned_namespace=""), settled.devices,
                           settled.namespaces, {}, NOW)
     plan = lc.decide(unassigned)
     assert [(w.namespace, w.uid) for w in of(plan, lc.DeleteDevice)] == [("team-a", "uid-team-a")]
@@ -142,7 +143,7 @@ def test_unassigning_deletes_the_pcidevice_and_says_available():
 
 def test_reassigning_deletes_the_old_pcidevice_and_creates_the_new_one():
     settled = converge(world(node_device("team-a")))
-    moved = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": "team-b"}), settled.devices,
+    moved = lc.World(NAME, dataclasses.replace(settled.node_device, assigned_namespace="team-b"), settled.devices,
                      settled.namespaces, {}, NOW)
     plan = lc.decide(moved)
     assert [w.namespace for w in of(plan, lc.DeleteDevice)] == ["team-a"]
@@ -178,7 +179,7 @@ def test_system_namespaces_never_receive_devices(namespace):
 def test_ready_is_mirrored_with_its_transition_time():
     lost = Cond("False", "NotFound", "No device at 0000:3b:00.0", "2026-11-29T11:58:00Z")
     settled = converge(world(node_device("team-a")))
-    plan = lc.decide(lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost}), settled.devices,
+    plan = lc.decide(lc.World(NAME, dataclasses.replace(settled.node_device, ready=lost), settled.devices,
                               settled.namespaces, {}, NOW))
     [status] = of(plan, lc.ApplyDeviceStatus)
     ready = next(c for c in status.body["status"]["conditions"] if c["type"] == "Ready")
@@ -195,7 +196,7 @@ def test_an_unassigned_device_gone_from_its_node_is_deleted():
 def gone(settled: lc.World, since: str, now=NOW) -> lc.World:
     """The settled world once the device is NotFound, the operator having seen it so at `since`."""
     lost = Cond("False", "NotFound", "gone", since)
-    npci = lc.NodeDevice(**{**settled.node_device.__dict__, "ready": lost, "missing_since": since})
+    npci = dataclasses.replace(settled.node_device, ready=lost, missing_since=since)
     return lc.World(NAME, npci, settled.devices, settled.namespaces, {}, now)
 
 
@@ -211,7 +212,7 @@ def test_the_grace_period_counts_from_when_the_operator_saw_it_go_not_from_the_n
     # NotReady for an hour, then NotFound: Ready's transition time stays an hour old (its status
     # stayed False), and a node's clock may be anything. Neither decides.
     an_hour_ago = Cond("False", "NotFound", "gone", "2026-11-29T11:00:00Z")
-    w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": an_hour_ago}), settled.devices,
+    w = lc.World(NAME, dataclasses.replace(settled.node_device, ready=an_hour_ago), settled.devices,
                  settled.namespaces, {}, NOW)  # fmt: skip
     plan = lc.decide(w)
     assert of(plan, lc.DeleteDevice) == []
@@ -221,7 +222,7 @@ def test_the_grace_period_counts_from_when_the_operator_saw_it_go_not_from_the_n
     later = settle(w)
     assert lc.decide(later).writes == []  # recorded once
     # Back on its node: the record goes.
-    back = lc.World(NAME, lc.NodeDevice(**{**later.node_device.__dict__, "ready": READY}), later.devices, later.namespaces, {}, NOW)
+    back = lc.World(NAME, dataclasses.replace(later.node_device, ready=READY), later.devices, later.namespaces, {}, NOW)
     [write] = of(lc.decide(back), lc.ApplyNodeDeviceStatus)
     assert "missingSince" not in write.body["status"]
 
@@ -239,7 +240,7 @@ def test_a_device_that_returns_after_the_grace_period_is_assigned_again():
     settled = converge(world(node_device("team-a")))
     expired = converge(gone(settled, "2026-11-29T11:45:00Z"))
     assert expired.devices == ()
-    back = lc.World(NAME, lc.NodeDevice(**{**expired.node_device.__dict__, "ready": READY}), (), expired.namespaces, {}, NOW)
+    back = lc.World(NAME, dataclasses.replace(expired.node_device, ready=READY), (), expired.namespaces, {}, NOW)
     assert [w.namespace for w in of(lc.decide(back), lc.ApplyDevice)] == ["team-a"]
 
 
@@ -258,7 +259,7 @@ def test_a_vm_reference_attaches_and_holds_both_objects():
 def test_reassigning_a_device_a_vm_uses_keeps_the_old_pcidevice_terminating():
     vms = {"team-a": ("vm-1",)}
     settled = converge(world(node_device("team-a"), vms=vms))
-    moved = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": "team-b"}), settled.devices,
+    moved = lc.World(NAME, dataclasses.replace(settled.node_device, assigned_namespace="team-b"), settled.devices,
                      settled.namespaces, vms, NOW)
     final = converge(moved)
     by_ns = {d.namespace: d for d in final.devices}
@@ -274,7 +275,7 @@ def test_reassigning_a_device_a_vm_uses_keeps_the_old_pcidevice_terminating():
 def test_unassigning_a_device_a_vm_uses_is_in_progress_until_the_vm_lets_go():
     vms = {"team-a": ("vm-1",)}
     settled = converge(world(node_device("team-a"), vms=vms))
-    unassigned = converge(lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": ""}),
+    unassigned = converge(lc.World(NAME, dataclasses.replace(settled.node_device, assigned_namespace=""),
                                    settled.devices, settled.namespaces, vms, NOW))
     assert unassigned.node_device.assigned.reason == "InProgress"
     assert [d.deleting for d in unassigned.devices] == [True]
@@ -283,7 +284,7 @@ def test_unassigning_a_device_a_vm_uses_is_in_progress_until_the_vm_lets_go():
 def test_a_node_device_being_deleted_waits_for_a_pcidevice_a_vm_uses():
     vms = {"team-a": ("vm-1",)}
     settled = converge(world(node_device("team-a"), vms=vms))
-    deleting = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "deleting": True}), settled.devices,
+    deleting = lc.World(NAME, dataclasses.replace(settled.node_device, deleting=True), settled.devices,
                         settled.namespaces, vms, NOW)
     held = converge(deleting)
     assert lc.FINALIZER in held.node_device.finalizers and held.devices[0].deleting
@@ -310,7 +311,7 @@ def test_transition_time_is_kept_while_the_status_holds():
 
 def test_two_racing_assignments_end_in_the_namespace_written_last():
     first = converge(world(node_device("team-a")))
-    second = converge(lc.World(NAME, lc.NodeDevice(**{**first.node_device.__dict__, "assigned_namespace": "team-b"}),
+    second = converge(lc.World(NAME, dataclasses.replace(first.node_device, assigned_namespace="team-b"),
                                first.devices, first.namespaces, {}, NOW))
     assert [d.namespace for d in second.devices] == ["team-b"]
 
@@ -332,14 +333,14 @@ def test_a_waiting_assignment_completes_by_itself_once_the_device_is_ready():
     busy = Cond("False", "NotReady", "in use", "2026-11-29T11:00:00Z")
     waiting = converge(world(node_device("team-a", ready=busy)))
     assert waiting.devices == ()
-    ready = converge(lc.World(NAME, lc.NodeDevice(**{**waiting.node_device.__dict__, "ready": READY}), (), waiting.namespaces, {}, NOW))
+    ready = converge(lc.World(NAME, dataclasses.replace(waiting.node_device, ready=READY), (), waiting.namespaces, {}, NOW))
     assert [d.namespace for d in ready.devices] == ["team-a"] and ready.node_device.assigned.reason == "Assigned"
 
 
 def test_a_device_already_handed_out_keeps_its_pcidevice_when_it_turns_not_ready():
     settled = converge(world(node_device("team-a")))
     busy = Cond("False", "NotReady", "in use", "2026-11-29T11:59:00Z")
-    w = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "ready": busy}), settled.devices, settled.namespaces, {}, NOW)
+    w = lc.World(NAME, dataclasses.replace(settled.node_device, ready=busy), settled.devices, settled.namespaces, {}, NOW)
     after = converge(w)
     assert [d.namespace for d in after.devices] == ["team-a"] and after.node_device.assigned.reason == "Assigned"
 
@@ -362,7 +363,7 @@ def test_no_finalizer_is_planned_onto_a_node_device_being_deleted():
 
 def test_a_delete_is_guarded_by_the_version_it_was_decided_on():
     settled = converge(world(node_device("team-a")))
-    unassigned = lc.World(NAME, lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": ""}), settled.devices,
+    unassigned = lc.World(NAME, dataclasses.replace(settled.node_device, assigned_namespace=""), settled.devices,
                           settled.namespaces, {}, NOW)  # fmt: skip
     [delete] = of(lc.decide(unassigned), lc.DeleteDevice)
     [live] = settled.devices
@@ -413,10 +414,10 @@ def test_a_namespace_made_again_under_the_same_name_does_not_inherit_the_device(
     assert (assigned["status"], assigned["reason"]) == ("False", "NamespaceRecreated")
     assert "clear spec.assignedNamespace and set it again" in assigned["message"]
     # The admin clears the assignment (the record goes) and sets it again: the new namespace gets it.
-    cleared = settle(lc.World(NAME, lc.NodeDevice(**{**handed.node_device.__dict__, "assigned_namespace": ""}), (),
+    cleared = settle(lc.World(NAME, dataclasses.replace(handed.node_device, assigned_namespace=""), (),
                               {"team-a": "Active"}, {}, NOW, namespace_uids={"team-a": "uid-2"}))  # fmt: skip
     assert cleared.node_device.handed_to == ("", "")
-    reassigned = lc.World(NAME, lc.NodeDevice(**{**cleared.node_device.__dict__, "assigned_namespace": "team-a"}), (),
+    reassigned = lc.World(NAME, dataclasses.replace(cleared.node_device, assigned_namespace="team-a"), (),
                           {"team-a": "Active"}, {}, NOW, namespace_uids={"team-a": "uid-2"})  # fmt: skip
     assert [d.namespace for d in of(lc.decide(reassigned), lc.ApplyDevice)] == ["team-a"]
 
@@ -424,7 +425,7 @@ def test_a_namespace_made_again_under_the_same_name_does_not_inherit_the_device(
 def test_moving_a_device_to_another_namespace_is_no_recreation():
     handed = settle(lc.World(NAME, node_device("team-a"), (), {"team-a": "Active", "team-b": "Active"}, {}, NOW,
                              namespace_uids={"team-a": "uid-a", "team-b": "uid-b"}))  # fmt: skip
-    moved = dataclasses.replace(handed, node_device=lc.NodeDevice(**{**handed.node_device.__dict__, "assigned_namespace": "team-b"}))
+    moved = dataclasses.replace(handed, node_device=dataclasses.replace(handed.node_device, assigned_namespace="team-b"))
     after = converge(moved)
     assert [d.namespace for d in after.devices] == ["team-b"] and after.node_device.handed_to == ("team-b", "uid-b")
 
@@ -433,7 +434,7 @@ def test_a_device_reassigned_while_a_vm_holds_it_says_so_in_the_new_namespace_an
     vms = {"team-a": ("vm-1",)}
     settled = converge(world(node_device("team-a"), vms=vms))
     moved = converge(dataclasses.replace(
-        settled, node_device=lc.NodeDevice(**{**settled.node_device.__dict__, "assigned_namespace": "team-b"})))
+        settled, node_device=dataclasses.replace(settled.node_device, assigned_namespace="team-b")))
     new = {d.namespace: d for d in moved.devices}["team-b"]
     attached = next(c for c in new.status["conditions"] if c["type"] == "Attached")
     assert (attached["status"], attached["reason"]) == ("False", "HeldElsewhere")
@@ -461,7 +462,7 @@ def test_a_device_reassigned_while_a_vm_holds_it_says_so_in_the_new_namespace_an
 
 def node_away(w: lc.World, since: str = "", now=NOW) -> lc.World:
     """`w` with the device's Node deleted, the operator having seen it go at `since` ("" not yet)."""
-    npci = lc.NodeDevice(**{**w.node_device.__dict__, "missing_since": since})
+    npci = dataclasses.replace(w.node_device, missing_since=since, node_gone_since=since)
     return dataclasses.replace(w, node_device=npci, node_present=False, now=now)
 
 
@@ -471,6 +472,7 @@ def test_a_deleted_node_keeps_its_assignments_and_pcidevices_for_the_grace_perio
     assert of(plan, lc.DeleteDevice) == [] and of(plan, lc.DeleteNodeDevice) == []
     [write] = of(plan, lc.ApplyNodeDeviceStatus)
     assert write.body["status"]["missingSince"] == "2026-11-29T12:00:00Z"
+    assert write.body["status"]["nodeGoneSince"] == "2026-11-29T12:00:00Z"
     assigned = npci_conditions(plan)["Assigned"]
     assert (assigned["status"], assigned["reason"]) == ("True", "NodeGone")
     assert "Node gpu-1 was deleted" in assigned["message"] and "until 2026-11-29T12:10:00Z" in assigned["message"]
@@ -505,6 +507,34 @@ def test_the_devices_of_a_node_that_stays_gone_are_collected_after_the_grace_per
     assert event.type == "Warning" and "assigned to team-a" in event.message and "10m00s grace period" in event.message
 
 
+def test_a_node_deleted_while_its_device_was_long_missing_still_gets_the_whole_grace_period():
+    # NotFound for an hour (its PCIDevice already removed, the assignment kept), then the Node
+    # is deleted: the Node's absence is timed from now, not from when the device went missing.
+    long_missing = dataclasses.replace(converge(world(node_device("team-a"))).node_device,
+                                       ready=lc.Cond("False", "NotFound", "gone"), missing_since="2026-11-29T11:00:00Z")
+    settled = converge(dataclasses.replace(world(long_missing), devices=()))
+    plan = lc.decide(dataclasses.replace(settled, node_present=False))
+    assert of(plan, lc.DeleteNodeDevice) == []
+    [write] = of(plan, lc.ApplyNodeDeviceStatus)
+    assert write.body["status"]["nodeGoneSince"] == "2026-11-29T12:00:00Z"
+    assert write.body["status"]["missingSince"] == "2026-11-29T11:00:00Z"
+    assert plan.requeue_after == pytest.approx(10 * 60)
+    later = settle(dataclasses.replace(settled, node_present=False))
+    assert of(lc.decide(dataclasses.replace(later, now=NOW + datetime.timedelta(minutes=9))), lc.DeleteNodeDevice) == []
+    assert of(lc.decide(dataclasses.replace(later, now=NOW + datetime.timedelta(minutes=10))), lc.DeleteNodeDevice) != []
+
+
+def test_recorded_times_past_the_end_of_the_calendar_or_in_the_future_count_from_now():
+    odd = dataclasses.replace(world(node_device("team-a")).node_device, missing_since="9999-12-31T23:59:59Z",
+                              node_gone_since="9999-12-31T23:59:59Z")
+    plan = lc.decide(dataclasses.replace(world(odd), node_present=False))
+    [write] = of(plan, lc.ApplyNodeDeviceStatus)
+    assert write.body["status"]["nodeGoneSince"] == "2026-11-29T12:00:00Z"
+    assert plan.requeue_after == pytest.approx(10 * 60)
+    huge = dataclasses.replace(world(odd), node_present=False, grace=datetime.timedelta(days=3650))
+    assert lc.decide(huge).requeue_after == pytest.approx(3650 * 86400)
+
+
 def test_an_unassigned_device_of_a_deleted_node_waits_out_the_grace_period_too():
     plan = lc.decide(node_away(world(node_device(""))))
     assert of(plan, lc.DeleteNodeDevice) == []
@@ -521,3 +551,41 @@ def test_a_device_of_a_deleted_node_is_not_handed_out_until_the_node_is_back():
     assigned = npci_conditions(plan)["Assigned"]
     assert (assigned["status"], assigned["reason"]) == ("False", "NodeGone")
     assert "goes to team-a once the node is back" in assigned["message"]
+
+
+def _watch_event_body(address: str) -> dict:
+    """A NodePCIDevice as one watch event decodes it: every string its own copy."""
+    import json
+
+    body = {
+        "metadata": {"name": f"pci-{address}", "uid": "u", "resourceVersion": "1", "finalizers": [lc.FINALIZER]},
+        "spec": {"assignedNamespace": "team-a"},
+        "status": {
+            "attributes": {**ATTRS, "pciAddress": address, "vendorName": "NVIDIA Corporation", "iommuGroup": 12},
+            "resourceName": "nvidia.com/GA102GL_A10", "mode": "Pool",
+            "conditions": [{"type": "Ready", "status": "True", "reason": "Ready", "message": "The device can be passed through.",
+                            "lastTransitionTime": "2026-11-29T11:00:00Z"}],
+        },
+    }
+    return json.loads(json.dumps(body))
+
+
+def test_views_of_many_devices_share_their_repeated_strings():
+    one, other = lc.NodeDevice.of(_watch_event_body("0000:3b:00.0")), lc.NodeDevice.of(_watch_event_body("0000:5e:00.0"))
+    key_one = next(k for k in one.attributes if k == "vendorName")
+    key_other = next(k for k in other.attributes if k == "vendorName")
+    assert key_one is key_other and one.attributes["vendorName"] is other.attributes["vendorName"]
+    assert one.ready.message is other.ready.message and one.mode is other.mode and one.finalizers[0] is other.finalizers[0]
+    # ...and lose nothing: the PCIDevice's status copies every attribute.
+    assert dict(one.attributes) == _watch_event_body("0000:3b:00.0")["status"]["attributes"]
+    assert one.ready == Cond("True", "Ready", "The device can be passed through.", "2026-11-29T11:00:00Z")
+    assert one.handed_to is lc.NOT_HANDED and one.node_name == "gpu-1"
+
+
+def test_shared_interns_strings_at_every_depth_and_keeps_other_values():
+    import json
+
+    value = json.loads('{"a": [{"b": "x", "n": 3, "t": true, "z": null}], "c": {"d": "x"}}')
+    out = lc.shared(value)
+    assert out == value
+    assert out["a"][0]["b"] is out["c"]["d"]

@@ -78,3 +78,22 @@ def test_a_bad_duration_says_what_is_accepted(text):
     with pytest.raises(DurationError):
         parse_duration(text)
 
+
+
+async def test_wait_empty_returns_once_no_key_waits_or_is_processed():
+    queue = WorkQueue()
+    await asyncio.wait_for(queue.wait_empty(), 1)  # empty from the start
+    queue.add("a")
+    queue.add("b")
+    empty = asyncio.create_task(queue.wait_empty())
+    for _ in range(2):
+        key = await queue.get()
+        await asyncio.sleep(0.01)
+        assert not empty.done()
+        if key == "a":
+            queue.add("a")  # added again while being processed: not empty when it is done
+        queue.done(key)
+    await asyncio.sleep(0.01)
+    assert not empty.done()
+    queue.done(await queue.get())
+    await asyncio.wait_for(empty, 1)

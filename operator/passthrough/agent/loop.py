@@ -114,8 +114,9 @@ class Agent:
 
     async def run(self) -> None:
         await self.preflight()
-        if self.pci_ids.problem:
-            log.warning("%s", self.pci_ids.problem)
+        for problem in (self.pci_ids.problem, self.pci_ids.damage_report):
+            if problem:
+                log.warning("%s", problem)
         background = [
             asyncio.create_task(self.mirror.run(), name=f"mirror-{self.node_name}"),
             asyncio.create_task(self._watch_node(), name=f"node-{self.node_name}"),

@@ -130,6 +130,13 @@ class NodePCIDeviceStatus(APIModel):
             "an assigned device's grace period counts from here. Unset while the device is present."
         ),
     )
+    nodeGoneSince: str | None = Field(
+        default=None,
+        description=(
+            "When the operator first saw the device's Node deleted, by the operator's clock; the "
+            "NodePCIDevice is removed once the Node has stayed gone for the grace period. Unset while the Node exists."
+        ),
+    )
     assignedNamespaceRef: NamespaceRef | None = Field(
         default=None,
         description=(
@@ -192,10 +199,15 @@ class GPUValues(APIModel):
     permittedHostDevices: PermittedHostDevices = Field(default_factory=PermittedHostDevices)
 
 
+# Ten years: longer means "never", and no clock arithmetic overflows.
+MAX_GRACE_SECONDS = 315_360_000
+
+
 class DeviceSettings(APIModel):
     notFoundGracePeriodSeconds: int = Field(
         default=600,
         ge=0,
+        le=MAX_GRACE_SECONDS,
         description=(
             "How long an assigned device missing from its node keeps its PCIDevice "
             "(kubelet and plugin restarts hide devices for about a minute, reboots for several)."

@@ -1,8 +1,10 @@
 """Kopf handlers of the operator: indexes for lookups, event handlers that only enqueue.
 
 Only `on.event` and `index` handlers are used: Kopf writes nothing to objects for them (no
-last-handled-configuration annotation, no progress annotations, no finalizer). The work is
-done by `controller.reconciler`, which writes with server-side apply under one field manager.
+last-handled-configuration annotation, no progress annotations, no finalizer). NodePCIDevices
+and PCIDevices, thousands of them, come from the informers started here instead, whose
+callbacks only enqueue too. The work is done by `controller.reconciler`, which writes with
+server-side apply under one field manager.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import kopf
 from passthrough.admission.rules import PREFIX as EXCLUSIVE_PREFIX, referenced_device_names
 from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE, VERSION
 from passthrough.controller import reconciler as rec
-from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView
+from passthrough.controller.informer import Informer
+from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, device_sync_inputs, node_device_sync_inputs
 from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.k8s import connect
 
@@ -38,24 +41,36 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     settings.batching.batch_window = 0.02
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    memo.api = await connect(memo.get("kubeconfig"))
+    memo.api = await connect(memo.get("kubeconfig"), connections=memo.get("connections", 16))
+    # The kinds that number in the thousands are cached by our own informers (see informer.py);
+    # the few namespaces, nodes, VMs, configs and KubeVirt CRs stay in Kopf's indexes.
+    memo.node_devices = Informer(memo.api, NODE_PCI_DEVICE.plural, NodeDevice.of, NODE_DEVICE_INDEXES,
+                                 lambda old, new: _node_device_changed(memo, old, new))
+    memo.devices = Informer(memo.api, PCI_DEVICE.plural, Device.of, DEVICE_INDEXES, lambda old, new: _device_changed(memo, old, new))
     indices = {
-        name: kwargs[name]
-        for name in (rec.NODE_DEVICES, rec.DEVICES, rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS, rec.GROUPS,
-                     rec.NODES)
+        **{name: kwargs[name] for name in (rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS, rec.NODES)},
+        **memo.node_devices.indexes,
+        **memo.devices.indexes,
     }
     memo.reconciler = rec.Reconciler(
         memo.api, indices, default_grace=memo.get("grace", datetime.timedelta(minutes=10)), workers=memo.get("workers", 64)
     )
     memo.vm_seen = {}
     memo.indexed = asyncio.Event()
-    memo.tasks = [asyncio.create_task(_run_when_indexed(memo), name="reconciler")]
+    memo.tasks = [
+        asyncio.create_task(memo.node_devices.run(), name="informer of nodepcidevices"),
+        asyncio.create_task(memo.devices.run(), name="informer of pcidevices"),
+        asyncio.create_task(_run_when_indexed(memo), name="reconciler"),
+    ]
 
 
 async def _run_when_indexed(memo: kopf.Memo) -> None:
-    # Kopf calls resource handlers only once every index holds its initial listing; deciding
-    # before that could, say, drop the finalizer of a device a VM still uses.
+    # Kopf calls resource handlers only once every index holds its initial listing, and the
+    # informers say when theirs is in; deciding before that could, say, drop the finalizer of
+    # a device a VM still uses.
     await memo.indexed.wait()
+    await memo.node_devices.synced.wait()
+    await memo.devices.synced.wait()
     await memo.reconciler.run()
 
 
@@ -67,7 +82,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
             await task
     if "reconciler" in memo:
         memo.reconciler.queue.close()
-        await memo.reconciler.events.drain()
+        await memo.reconciler.events.close()
     if "api" in memo:
         await memo.api.close()
 
@@ -78,41 +93,28 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 # -- indexes: small values, no bodies ------------------------------------------------------------
-# All async: Kopf runs a plain function in a thread pool, one hop per object and event.
+# Those of the informers are functions of the views they keep (NodeDevice, Device).
 
 
-@kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id=rec.NODE_DEVICES)
-async def node_devices_index(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeDevice]:
-    return {name: NodeDevice.of(body)}
+def _group_key(d: NodeDevice) -> dict[tuple[str, int], str] | None:
+    group = d.attributes.get("iommuGroup", -1)
+    return {(d.node_name, group): d.name} if isinstance(group, int) and group >= 0 else None
 
 
-@kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id=rec.GROUPS)
-async def iommu_groups_index(name: str, status: kopf.Status, **_: Any) -> dict[tuple[str, int], str] | None:
-    attributes = status.get("attributes") or {}
-    group = attributes.get("iommuGroup", -1)
-    return {(attributes.get("nodeName", ""), group): name} if isinstance(group, int) and group >= 0 else None
+NODE_DEVICE_INDEXES = {
+    rec.NODE_DEVICES: lambda d: {d.name: d},
+    rec.GROUPS: _group_key,
+    rec.DEVICES_BY_NAMESPACE: lambda d: {d.assigned_namespace: d.name} if d.assigned_namespace else None,
+    rec.DEVICES_BY_NODE: lambda d: {d.node_name: d.name} if d.node_name else None,
+}
+DEVICE_INDEXES = {rec.DEVICES: lambda d: {d.name: d}}
 
-
-@kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id="devices_by_namespace")
-async def devices_by_namespace_index(name: str, spec: kopf.Spec, **_: Any) -> dict[str, str] | None:
-    namespace = spec.get("assignedNamespace")
-    return {namespace: name} if namespace else None
-
-
-@kopf.index(GROUP, VERSION, NODE_PCI_DEVICE.plural, id="devices_by_node")
-async def devices_by_node_index(name: str, body: kopf.Body, **_: Any) -> dict[str, str] | None:
-    node = NodeDevice.of(body).node_name
-    return {node: name} if node else None
+# Kopf's own: all async, or Kopf runs each in a thread pool, one hop per object and event.
 
 
 @kopf.index("", "v1", "nodes", id=rec.NODES)
 async def nodes_index(name: str, uid: str, **_: Any) -> dict[str, str]:
     return {name: uid}
-
-
-@kopf.index(GROUP, VERSION, PCI_DEVICE.plural, id=rec.DEVICES)
-async def devices_index(name: str, body: kopf.Body, **_: Any) -> dict[str, Device]:
-    return {name: Device.of(body)}
 
 
 @kopf.index("kubevirt.io", "v1", "virtualmachines", id=rec.VM_REFERENCES)
@@ -138,31 +140,36 @@ async def kubevirts_index(name: str, namespace: str, body: kopf.Body, **_: Any) 
 # -- events: enqueue the affected device names ---------------------------------------------------
 
 
-async def _enqueue(memo: kopf.Memo, names) -> None:
+def _enqueue(memo: kopf.Memo, names) -> None:
     memo.indexed.set()
     for name in names:
         memo.reconciler.enqueue(name)
-    await memo.reconciler.observed()
 
 
-@kopf.on.event(GROUP, VERSION, NODE_PCI_DEVICE.plural)
-async def node_device_event(name: str, status: kopf.Status, memo: kopf.Memo, iommu_groups: kopf.Index, **_: Any) -> None:
+def _node_device_changed(memo: kopf.Memo, old: NodeDevice | None, new: NodeDevice | None) -> None:
+    device = new or old
     # Its group's other functions decide with it: an assignment of one may unblock another.
-    attributes = status.get("attributes") or {}
-    siblings = iommu_groups.get((attributes.get("nodeName", ""), attributes.get("iommuGroup", -1)), [])
-    await _enqueue(memo, {name, *siblings})
-    memo.reconciler.sync_kubevirt_soon()  # what nodes advertise feeds the mismatch report
+    siblings = (_group_key(device) or {}).keys()
+    groups = memo.reconciler.indices[rec.GROUPS]
+    for name in {device.name, *(n for key in siblings for n in groups.get(key, ()))}:
+        memo.reconciler.enqueue(name)
+    memo.reconciler.changed(device.name)
+    if node_device_sync_inputs(old) != node_device_sync_inputs(new):
+        memo.reconciler.sync_kubevirt_soon()  # what nodes advertise feeds the mismatch report
 
 
-@kopf.on.event(GROUP, VERSION, PCI_DEVICE.plural)
-async def device_event(name: str, memo: kopf.Memo, **_: Any) -> None:
-    await _enqueue(memo, [name])
-    memo.reconciler.sync_kubevirt_soon()  # each assigned device has its exclusive entry
+def _device_changed(memo: kopf.Memo, old: Device | None, new: Device | None) -> None:
+    device = new or old
+    memo.reconciler.enqueue(device.name)
+    memo.reconciler.changed(device.name)
+    if device_sync_inputs(old) != device_sync_inputs(new):
+        memo.reconciler.sync_kubevirt_soon()  # each assigned device has its exclusive entry
 
 
 @kopf.on.event("kubevirt.io", "v1", "kubevirts")
 async def kubevirt_event(memo: kopf.Memo, **_: Any) -> None:
-    await _enqueue(memo, [])
+    _enqueue(memo, [])
+    memo.reconciler.changed(rec.KUBEVIRT)
     memo.reconciler.sync_kubevirt_soon()  # it appeared, or someone edited our fields
 
 
@@ -176,26 +183,28 @@ async def vm_event(name: str, namespace: str, spec: kopf.Spec, type: str | None,
         memo.vm_seen[key] = now
     else:
         memo.vm_seen.pop(key, None)
-    await _enqueue(memo, before | now)
+    _enqueue(memo, before | now)
 
 
 @kopf.on.event("", "v1", "namespaces")
-async def namespace_event(name: str, memo: kopf.Memo, devices_by_namespace: kopf.Index, **_: Any) -> None:
-    await _enqueue(memo, list(devices_by_namespace.get(name, [])))
+async def namespace_event(name: str, memo: kopf.Memo, **_: Any) -> None:
+    _enqueue(memo, memo.reconciler.indices[rec.DEVICES_BY_NAMESPACE].get(name, ()))
 
 
 @kopf.on.event("", "v1", "nodes")
-async def node_event(name: str, type: str | None, memo: kopf.Memo, devices_by_node: kopf.Index, **_: Any) -> None:
+async def node_event(name: str, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     # Only a Node's coming and going matters here; its status heartbeats do not.
     if type in ("ADDED", "DELETED"):
-        await _enqueue(memo, list(devices_by_node.get(name, [])))
+        _enqueue(memo, memo.reconciler.indices[rec.DEVICES_BY_NODE].get(name, ()))
 
 
 @kopf.on.event(GROUP, VERSION, PASSTHROUGH_CONFIG.plural)
-async def config_event(name: str, memo: kopf.Memo, node_devices: kopf.Index, **_: Any) -> None:
+async def config_event(name: str, memo: kopf.Memo, **_: Any) -> None:
     if name != CONFIG_NAME:
         return
+    memo.reconciler.changed(rec.KUBEVIRT)
     # The grace period may have changed: devices waiting on it decide again.
-    await _enqueue(memo, [key for key, store in node_devices.items()
-                          if any(d.missing_since or (d.ready and d.ready.reason == "NotFound") for d in store)])
+    node_devices = memo.reconciler.indices[rec.NODE_DEVICES]
+    _enqueue(memo, [key for key, store in node_devices.items()
+                    if any(d.missing_since or (d.ready and d.ready.reason == "NotFound") for d in store)])
     memo.reconciler.sync_kubevirt_soon()

@@ -10,6 +10,7 @@ what happened before, only on what is there now, so a restarted operator converg
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,9 +28,32 @@ DEFAULT_GRACE = datetime.timedelta(minutes=10)
 SYSTEM_NAMESPACES = frozenset({"kube-system", "kube-public", "kube-node-lease"})
 
 
-@dataclass(frozen=True)
+def shared(value: Any) -> Any:
+    """`value` (decoded JSON) with its keys and strings interned.
+
+    Each watch event is decoded on its own, so ten thousand views would otherwise each hold
+    their own copy of every key, vendor name, driver and condition message; interned, they
+    share one. A string that nothing holds any more is freed as any other.
+    """
+    if isinstance(value, str):
+        return sys.intern(value)
+    if isinstance(value, dict):
+        return {sys.intern(k): shared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shared(v) for v in value]
+    return value
+
+
+def _cond(raw: Mapping[str, Any] | None) -> Cond | None:
+    return Cond.of(shared(dict(raw))) if raw else None
+
+
+NOT_HANDED = ("", "")
+
+
+@dataclass(frozen=True, slots=True)
 class NodeDevice:
-    """What the lifecycle needs of a NodePCIDevice (small: this lives in a Kopf index)."""
+    """What the lifecycle needs of a NodePCIDevice (small: ten thousand of these are cached)."""
 
     name: str
     uid: str
@@ -45,34 +69,37 @@ class NodeDevice:
     resource_name: str = ""
     mode: str = ""
     missing_since: str = ""  # status.missingSince, the operator's own record
+    node_gone_since: str = ""  # status.nodeGoneSince, the operator's own record
     handed_to: tuple[str, str] = ("", "")  # status.assignedNamespaceRef: (name, uid) it was handed to
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> NodeDevice:
         meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
         conditions = {c.get("type"): c for c in status.get("conditions") or []}
-        attributes = dict(status.get("attributes") or {})
+        attributes = shared(dict(status.get("attributes") or {}))
         handed = status.get("assignedNamespaceRef") or {}
+        handed_to = (handed.get("name", ""), handed.get("uid", ""))
         return cls(
             name=meta["name"],
             uid=meta.get("uid", ""),
             resource_version=meta.get("resourceVersion", ""),
-            assigned_namespace=spec.get("assignedNamespace") or "",
+            assigned_namespace=sys.intern(spec.get("assignedNamespace") or ""),
             deleting=bool(meta.get("deletionTimestamp")),
-            finalizers=tuple(meta.get("finalizers") or ()),
-            ready=Cond.of(conditions.get("Ready")),
-            assigned=Cond.of(conditions.get("Assigned")),
-            attached=Cond.of(conditions.get("Attached")),
+            finalizers=tuple(shared(f) for f in meta.get("finalizers") or ()),
+            ready=_cond(conditions.get("Ready")),
+            assigned=_cond(conditions.get("Assigned")),
+            attached=_cond(conditions.get("Attached")),
             attributes=attributes,
-            node_name=attributes.get("nodeName") or (meta.get("labels") or {}).get(NODE_LABEL, ""),
-            resource_name=status.get("resourceName") or "",
-            mode=status.get("mode") or "",
+            node_name=sys.intern(attributes.get("nodeName") or (meta.get("labels") or {}).get(NODE_LABEL, "")),
+            resource_name=sys.intern(status.get("resourceName") or ""),
+            mode=sys.intern(status.get("mode") or ""),
             missing_since=status.get("missingSince") or "",
-            handed_to=(handed.get("name", ""), handed.get("uid", "")),
+            node_gone_since=status.get("nodeGoneSince") or "",
+            handed_to=handed_to if any(handed_to) else NOT_HANDED,
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Device:
     """What the lifecycle needs of a PCIDevice."""
 
@@ -94,11 +121,11 @@ class Device:
             resource_version=meta.get("resourceVersion", ""),
             deleting=bool(meta.get("deletionTimestamp")),
             metadata={
-                "labels": dict(meta.get("labels") or {}),
-                "ownerReferences": [dict(o) for o in meta.get("ownerReferences") or []],
-                "finalizers": list(meta.get("finalizers") or []),
+                "labels": shared(dict(meta.get("labels") or {})),
+                "ownerReferences": [shared(dict(o)) for o in meta.get("ownerReferences") or []],
+                "finalizers": shared(list(meta.get("finalizers") or [])),
             },
-            status=dict(body.get("status") or {}),
+            status=shared(dict(body.get("status") or {})),
         )
 
 
@@ -252,9 +279,14 @@ def decide(world: World) -> Plan:
     # Counted from when this operator first saw it NotFound (or its Node gone), by its own clock:
     # Ready's transition time is the node's clock, and it does not move when NotReady turns into
     # NotFound.
-    missing_since = (parse_timestamp(npci.missing_since) or world.now) if missing else None
+    missing_since = _since(npci.missing_since, world.now) if missing else None
     expired = missing and world.now - missing_since >= world.grace
     wanted_missing_since = timestamp(missing_since) if missing_since else ""
+    # The Node's absence has a clock of its own: a device NotFound for an hour whose Node is
+    # then deleted still waits the whole grace period for the Node to register again.
+    node_gone_since = _since(npci.node_gone_since, world.now) if node_gone else None
+    node_expired = node_gone and world.now - node_gone_since >= world.grace
+    wanted_node_gone_since = timestamp(node_gone_since) if node_gone_since else ""
 
     target = "" if npci.deleting else npci.assigned_namespace
     phase = world.namespaces.get(target) if target else None
@@ -302,7 +334,7 @@ def decide(world: World) -> Plan:
         wanted = device_metadata(npci, target, finalizer=bool(vms))
         if current is None or _metadata_differs(current, wanted):
             plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
-        gone_since = _node_gone_note(npci, world, missing_since) if node_gone else ""
+        gone_since = _node_gone_note(npci, world, node_gone_since) if node_gone else ""
         status = _device_status(npci, current, vms, world.now, held_elsewhere, gone_since)
         if current is None or _status_differs(current.status, status):
             plan.writes.append(
@@ -321,11 +353,11 @@ def decide(world: World) -> Plan:
 
     # The NodePCIDevice: deleted when it is unassigned and gone from its node, or when its Node
     # has stayed gone longer than the grace period (assigned or not: the admin is told).
-    if node_gone and expired and not npci.deleting:
+    if node_expired and not npci.deleting:
         plan.writes.append(DeleteNodeDevice(npci.uid, npci.resource_version))
         was = f"; it was assigned to {npci.assigned_namespace}, assign it again if the node returns" if npci.assigned_namespace else ""
         plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning", "Collected",
-                                 f"Node {npci.node_name} has been gone since {timestamp(missing_since)}, longer than the "
+                                 f"Node {npci.node_name} has been gone since {timestamp(node_gone_since)}, longer than the "
                                  f"{format_duration(world.grace)} grace period: NodePCIDevice {npci.name} removed{was}."))
         return plan
     if missing and not node_gone and not npci.assigned_namespace and not npci.deleting and not lingering and current is None:
@@ -350,8 +382,8 @@ def decide(world: World) -> Plan:
     if npci.deleting:
         return plan
 
-    assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready,
-                                   conflict, recreated)  # fmt: skip
+    assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, node_gone_since, will_exist, lingering,
+                                   referenced, not_ready, conflict, recreated)  # fmt: skip
     waiting = world.referencing_vms.get(target, ()) if will_exist and held_elsewhere else ()
     claims = {ns: vms for ns, vms in attached_anywhere.items() if not (waiting and ns == target)}
     attached = _attached_condition(claims, (target, waiting) if waiting else None)
@@ -359,7 +391,7 @@ def decide(world: World) -> Plan:
     # the assignment (the admin assigning again is what gives the device to a new namespace).
     wanted_ref = ("", "") if not target else ((target, target_uid) if will_exist and target_uid else npci.handed_to)
     if (not assigned.same(npci.assigned) or not attached.same(npci.attached) or wanted_missing_since != npci.missing_since
-            or wanted_ref != npci.handed_to):  # fmt: skip
+            or wanted_node_gone_since != npci.node_gone_since or wanted_ref != npci.handed_to):  # fmt: skip
         status: dict[str, Any] = {
             "conditions": [
                 condition("Assigned", assigned, npci.assigned, world.now),
@@ -368,6 +400,8 @@ def decide(world: World) -> Plan:
         }
         if wanted_missing_since:  # left out, it is removed: the field is ours alone
             status["missingSince"] = wanted_missing_since
+        if wanted_node_gone_since:
+            status["nodeGoneSince"] = wanted_node_gone_since
         if wanted_ref[0]:
             status["assignedNamespaceRef"] = {"name": wanted_ref[0], "uid": wanted_ref[1]}
         plan.writes.append(
@@ -386,16 +420,31 @@ def decide(world: World) -> Plan:
                 reason = "Attached" if attached.status == "True" else "Detached"
                 plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Normal", reason, attached.message))
 
-    if missing and (usable or node_gone) and missing_since is not None:
-        plan.requeue_after = max(1.0, (missing_since + world.grace - world.now).total_seconds())
+    deadlines = [_later(since, world.grace) - world.now for since in (missing_since if usable else None, node_gone_since) if since]
+    if deadlines:
+        plan.requeue_after = max(1.0, min(deadlines).total_seconds())
     return plan
 
 
 def _node_gone_note(npci: NodeDevice, world: World, since: datetime.datetime | None) -> str:
     since = since or world.now
     return (f"Node {npci.node_name or '?'} was deleted ({timestamp(since)}); the device is kept for a node that registers "
-            f"again under that name until {timestamp(since + world.grace)} (the {format_duration(world.grace)} grace period), "
-            "then removed")
+            f"again under that name until {timestamp(_later(since, world.grace))} (the {format_duration(world.grace)} grace "
+            "period), then removed")
+
+
+def _since(recorded: str, now: datetime.datetime) -> datetime.datetime:
+    # Ours, but an object can carry anything: unreadable or in the future counts from now.
+    when = parse_timestamp(recorded)
+    return when if when is not None and when <= now else now
+
+
+def _later(when: datetime.datetime, by: datetime.timedelta) -> datetime.datetime:
+    # A time recorded near the end of the calendar (an odd object) plus the grace period.
+    try:
+        return when + by
+    except OverflowError:
+        return datetime.datetime.max.replace(tzinfo=when.tzinfo)
 
 
 def _device_status(
@@ -478,11 +527,11 @@ def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, A
     return events
 
 
-def _assigned_condition(npci, world, target, phase, expired, missing_since, will_exist, lingering, referenced, not_ready,
-                        conflict, recreated) -> Cond:  # fmt: skip
+def _assigned_condition(npci, world, target, phase, expired, missing_since, node_gone_since, will_exist, lingering, referenced,
+                        not_ready, conflict, recreated) -> Cond:  # fmt: skip
     held = [(d.namespace, referenced[d.namespace]) for d in lingering if referenced[d.namespace]]
     holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
-    gone = _node_gone_note(npci, world, missing_since) if not world.node_present else ""
+    gone = _node_gone_note(npci, world, node_gone_since) if not world.node_present else ""
     if not target:
         if held:
             return Cond("False", "InProgress", f"Unassigning: {holding}.")

@@ -1,8 +1,8 @@
 """Carries out `lifecycle.decide` for one device name at a time.
 
-Kopf's handlers only enqueue names; workers here build the device's `World` from Kopf's
-indexes, decide, write, and wait until the indexes have seen their own writes, so the next
-decision for that name never acts on a state older than what it just wrote.
+Kopf's handlers and the informers only enqueue names; workers here build the device's
+`World` from the indexes, decide, write, and wait until the indexes have seen their own
+writes, so the next decision for that name never acts on a state older than what it just wrote.
 """
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from passthrough.api.models import API_VERSION, CONFIG_NAME, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
+from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.controller import kubevirt_sync, lifecycle
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.k8s import OPERATOR_MANAGER, Custom, EventRecorder
@@ -33,6 +35,8 @@ CONFIGS = "configs"
 KUBEVIRTS = "kubevirts"
 GROUPS = "iommu_groups"
 NODES = "nodes"
+DEVICES_BY_NAMESPACE = "devices_by_namespace"
+DEVICES_BY_NODE = "devices_by_node"
 
 # The work-queue key of the KubeVirt CR's sync (device keys are NodePCIDevice names).
 KUBEVIRT = ("kubevirt",)
@@ -70,25 +74,30 @@ class Reconciler:
         self.last_good: Rendered | None = None
         self.unapplied: dict[str, str] = {}  # assigned device -> why KubeVirt lacks its entry
         self._problems_logged: list[str] = []
-        self.events = EventRecorder(api, OPERATOR_MANAGER)
         self.queue = WorkQueue()
+        # Events wait for the work queue to run empty (10 s at most): see EventRecorder.
+        self.events = EventRecorder(api, OPERATOR_MANAGER, quiet=self.queue.wait_empty)
         self.workers = workers
-        self._seen = asyncio.Condition()
+        self._waiters: dict[Hashable, list[asyncio.Future]] = {}  # key -> reconciles waiting to see their writes
+        self._sync_cost = 0.0  # seconds the last KubeVirt sync held the event loop
         self.writes = 0
+        self._bad_grace: Any = None
 
     # -- inputs ----------------------------------------------------------------------------
 
     def enqueue(self, name: str) -> None:
         self.queue.add(name)
 
-    async def observed(self) -> None:
-        """An index changed: wake reconciles waiting to see their own writes."""
-        async with self._seen:
-            self._seen.notify_all()
+    def changed(self, key: Hashable) -> None:
+        """What the indexes hold for `key` (a device name, or KUBEVIRT for the config and the CR)
+        changed: wake the reconciles waiting there to see their own writes, and only those."""
+        for waiter in self._waiters.pop(key, ()):
+            if not waiter.done():
+                waiter.set_result(None)
 
     def sync_kubevirt_soon(self) -> None:
         # Bursts (hundreds of assignments, a node's first report) fold into one sync.
-        self.queue.add_after(KUBEVIRT, 0.2)
+        self.queue.add_after(KUBEVIRT, kubevirt_sync.next_sync_delay(self._sync_cost))
 
     def config(self) -> kubevirt_sync.ConfigView | None:
         found = _values(self.indices.get(CONFIGS), CONFIG_NAME)
@@ -97,7 +106,16 @@ class Reconciler:
     def grace(self) -> datetime.timedelta:
         config = self.config()
         seconds = ((config.spec.get("devices") or {}).get("notFoundGracePeriodSeconds")) if config else None
-        return datetime.timedelta(seconds=seconds) if seconds is not None else self.default_grace
+        if seconds is None:
+            return self.default_grace
+        # The CRD bounds it; an object stored before that bound (or odd) keeps the default.
+        if not isinstance(seconds, int) or isinstance(seconds, bool) or not 0 <= seconds <= MAX_GRACE_SECONDS:
+            if seconds != self._bad_grace:
+                self._bad_grace = seconds
+                log.warning("devices.notFoundGracePeriodSeconds %r is not a number of seconds from 0 to %d; using %s",
+                            seconds, MAX_GRACE_SECONDS, self.default_grace)
+            return self.default_grace
+        return datetime.timedelta(seconds=seconds)
 
     def group_of(self, npci: lifecycle.NodeDevice) -> dict[str, str]:
         """The other members of the device's IOMMU group on its node: name -> assigned namespace."""
@@ -145,12 +163,29 @@ class Reconciler:
     # -- work ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await run_workers(self.queue, self.reconcile, self.workers, self._retry_delay)
+        workers = asyncio.create_task(run_workers(self.queue, self.reconcile, self.workers, self._retry_delay))
+        empty = asyncio.create_task(self.queue.wait_empty())
+        try:
+            # Everything listed at start-up is queued by now: the first time the queue runs dry,
+            # every device has been decided once. An admin (and the benchmark) reads this line.
+            started = time.monotonic()
+            await asyncio.wait([workers, empty], return_when=asyncio.FIRST_COMPLETED)
+            if not workers.done():
+                log.info("start-up done: every device decided in %.1fs, %d writes; the work queue is empty",
+                         time.monotonic() - started, self.writes)
+            await workers
+        finally:
+            for task in (workers, empty):
+                task.cancel()
+            await asyncio.gather(workers, empty, return_exceptions=True)
 
     def _retry_delay(self, name: Any, exc: BaseException, failures: int) -> float:
         delay = min(0.5 * 2 ** (failures - 1), 60.0)
         if isinstance(exc, ApiException):
             log.warning("reconciling %s failed (%s %s); retry %d in %.1fs", name, exc.status, exc.reason, failures, delay)
+        elif isinstance(exc, (aiohttp.ClientError, OSError, TimeoutError)):
+            # The API server away (restarting, a connection cut): the weather, not a bug.
+            log.warning("reconciling %s failed (%s: %s); retry %d in %.1fs", name, type(exc).__name__, exc, failures, delay)
         else:  # a bug, not the weather: keep the traceback
             log.warning("reconciling %s failed; retry %d in %.1fs", name, failures, delay, exc_info=exc)
         return delay
@@ -224,6 +259,7 @@ class Reconciler:
         config = self.config()
         if config is None:
             return  # without the platform values, KubeVirt is not ours to manage
+        started = time.perf_counter()
         found = _values(self.indices.get(KUBEVIRTS), kubevirt_sync.kubevirt_target(config.spec))
         kubevirt = found[0] if found else None
         node_devices = {d.name: d for store in self.indices[NODE_DEVICES].values() for d in store}
@@ -231,6 +267,7 @@ class Reconciler:
         advertised = kubevirt_sync.advertised(node_devices.values())
         plan = kubevirt_sync.plan_sync(config, kubevirt, assigned, advertised,
                                        self.last_good, datetime.datetime.now(datetime.UTC))
+        self._sync_cost = time.perf_counter() - started
         if plan.rendered is not None:
             self.last_good = plan.rendered
         if plan.problems and plan.problems != self._problems_logged:
@@ -261,7 +298,7 @@ class Reconciler:
         for type_, reason, message in plan.events:
             self.events.post(involved, type_, reason, message)
         if expectations:
-            await self._wait_for(lambda: all(self._config_seen(*e) for e in expectations))
+            await self._wait_for(KUBEVIRT, lambda: all(self._config_seen(*e) for e in expectations))
 
     def _config_seen(self, what: str, namespace: str, name: str, rv: str) -> bool:
         if what == "kubevirt":
@@ -283,15 +320,26 @@ class Reconciler:
         return bool(found) and _rv(found[0].resource_version) >= _rv(rv)
 
     async def _wait_until_seen(self, name: str, expectations: list) -> None:
-        await self._wait_for(lambda: all(self._satisfied(name, e) for e in expectations))
+        await self._wait_for(name, lambda: all(self._satisfied(name, e) for e in expectations))
 
-    async def _wait_for(self, predicate, timeout: float = 10.0) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                async with self._seen:
-                    await self._seen.wait_for(predicate)
-        except TimeoutError:
-            log.debug("the watch has not shown our writes after %.0fs; deciding again anyway", timeout)
+    async def _wait_for(self, key: Hashable, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not predicate():
+            waiter = loop.create_future()
+            waiting = self._waiters.setdefault(key, [])
+            waiting.append(waiter)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except TimeoutError:
+                log.debug("the watch has not shown our writes after %.0fs; deciding again anyway", timeout)
+                return
+            finally:
+                if waiter in waiting:
+                    waiting.remove(waiter)
+                    if not waiting and self._waiters.get(key) is waiting:
+                        del self._waiters[key]
 
     def _post(self, name: str, world: lifecycle.World, event: lifecycle.Event) -> None:
         if event.kind == NODE_PCI_DEVICE.kind:

@@ -16,11 +16,14 @@ class WorkQueue:
         self._dirty: set[Hashable] = set()
         self._processing: set[Hashable] = set()
         self._timers: dict[Hashable, asyncio.TimerHandle] = {}
+        self._empty = asyncio.Event()
+        self._empty.set()
 
     def add(self, key: Hashable) -> None:
         if key in self._dirty:
             return
         self._dirty.add(key)
+        self._empty.clear()
         if key not in self._processing:
             self._queue.put_nowait(key)
 
@@ -49,6 +52,12 @@ class WorkQueue:
         self._processing.discard(key)
         if key in self._dirty:
             self._queue.put_nowait(key)
+        elif not self._processing and not self._dirty:
+            self._empty.set()
+
+    async def wait_empty(self) -> None:
+        """Until no key waits or is being processed (keys added later, by a timer, not counted)."""
+        await self._empty.wait()
 
     def __len__(self) -> int:
         return len(self._dirty) + len(self._processing)

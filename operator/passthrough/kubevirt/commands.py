@@ -30,6 +30,9 @@ def _fail(path: str, problems: list[str]) -> int:
     return EXIT_INVALID
 
 
+_TOO_DEEP = "nested deeper than any values file needs (the settings are four levels deep); check for a runaway paste or anchor"
+
+
 def render(args: argparse.Namespace) -> int:
     try:
         with open(args.values, encoding="utf-8") as f:
@@ -38,10 +41,14 @@ def render(args: argparse.Namespace) -> int:
         return _fail(args.values, [f"cannot read it: {e.strerror or e}"])
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         return _fail(args.values, [f"not valid YAML: {e}"])
+    except RecursionError:
+        return _fail(args.values, [_TOO_DEEP])
     try:
         rendered = render_values(parse_values(data))
     except ValuesError as e:
         return _fail(args.values, e.problems)
+    except RecursionError:
+        return _fail(args.values, [_TOO_DEEP])
 
     for warning in rendered.warnings:
         print(f"passthrough render: warning: {warning}", file=sys.stderr)

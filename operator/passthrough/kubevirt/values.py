@@ -131,6 +131,7 @@ def _where(loc: Sequence[Any]) -> str:
 
 def _pydantic_message(error: Mapping[str, Any]) -> str:
     kind, got = error["type"], _describe(error.get("input"))
+    bound = (error.get("ctx") or {})
     if kind == "literal_error" and tuple(error["loc"]) == ("gpu", "variant"):
         return f"{got} is not a known variant; use one of: {', '.join(VARIANTS)}"
     if kind == "string_pattern_mismatch" and error["loc"][-1] == "pciVendorSelector":
@@ -144,8 +145,22 @@ def _pydantic_message(error: Mapping[str, Any]) -> str:
         "bool_parsing": f"expected true or false, got {got}",
         "string_type": f"expected a string, got {got}",
         "string_too_short": "must not be empty",
+        "string_unicode": f"expected a string, got {got}, which is not UTF-8 text",
+        "int_type": f"expected a whole number, got {got}",
+        "int_parsing": f"expected a whole number, got {got}",
+        "int_from_float": f"expected a whole number, got {got}",
+        "greater_than_equal": f"must be at least {bound.get('ge')}, got {got}",
+        "less_than_equal": f"must be at most {bound.get('le')}, got {got}",
+        "invalid_key": f"has the key {got}, which is not a string; quote it, or check the indentation",
     }
-    return messages.get(kind) or f"{error['msg']} (got {got})"
+    # Anything else, in pydantic's words made ours: "Input should be X" reads "expected X".
+    return messages.get(kind) or f"{error['msg'].replace('Input should be', 'expected')} (got {got})"
+
+
+def _problem_loc(error: Mapping[str, Any]) -> Sequence[Any]:
+    # A key that is not a string is a problem of the mapping that holds it: its path ends in
+    # the key itself, which no admin could write as a path.
+    return error["loc"][:-1] if error["type"] == "invalid_key" else error["loc"]
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
@@ -208,7 +223,7 @@ def parse_values(data: Any) -> PassthroughConfigSpec:
         spec = PassthroughConfigSpec.model_validate(data)
     except ValidationError as e:
         for error in e.errors():
-            problems.cover(_where(error["loc"]), _pydantic_message(error))
+            problems.cover(_where(_problem_loc(error)), _pydantic_message(error))
         # The parts that did parse are checked too, so that one run lists everything.
         gpu, kubevirt = _mapping(data, "gpu"), _mapping(data, "kubevirt")
         permitted = _mapping(gpu, "permittedHostDevices")

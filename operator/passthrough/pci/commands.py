@@ -101,8 +101,9 @@ def _load_pci_ids(command: str, path: str | None) -> PciIds | None:
     if pci_ids.problem and path is not None:
         _fail(command, f"--pci-ids {path}: {pci_ids.problem}")
         return None
-    if pci_ids.problem:
-        print(f"warning: {pci_ids.problem}", file=sys.stderr)
+    for problem in (pci_ids.problem, pci_ids.damage_report):
+        if problem:
+            print(f"warning: {problem}", file=sys.stderr)
     return pci_ids
 
 

@@ -221,7 +221,8 @@ def _read_device(entry: Path, address: str) -> _Found | None:
         device.problems.append(f"{entry / 'numa_node'} holds {device.numa_node}, not a NUMA node or -1")
         device.numa_node = -1
     group = device.attempt(sysfs.link_name, entry / "iommu_group", default="")
-    if group and not group.isdigit():
+    # A group number is the kernel's int; isdigit() would take "²", and length no bound.
+    if group and not (re.fullmatch(r"[0-9]{1,10}", group) and int(group) < 2**31):
         device.problems.append(f"{entry / 'iommu_group'} points to group {group!r}, not a group number")
     elif group:
         device.iommu_group = int(group)

@@ -69,7 +69,8 @@ def read_int(path: Path, missing: int | None = None) -> int:
     if missing is not None and not os.path.lexists(path):
         return missing
     text = read_text(path)
-    if not re.fullmatch(r"-?[0-9]+", text):
+    # The kernel writes these from an int: anything longer is garbage, not a big number.
+    if not re.fullmatch(r"-?[0-9]{1,10}", text) or not -(2**31) <= int(text) < 2**31:
         raise SysfsError(f"{path} holds {text[:40]!r}, not a number")
     return int(text)
 
@@ -162,7 +163,7 @@ def read_mountinfo(proc_root: Path) -> list[Mount]:
     for number, line in enumerate(read_text(path).splitlines(), start=1):
         # ID parent MAJ:MIN root mountpoint options [optional fields...] - fstype source superoptions
         fields = line.split(" ")
-        devnum = re.fullmatch(r"([0-9]+):([0-9]+)", fields[2]) if len(fields) > 2 else None
+        devnum = re.fullmatch(r"([0-9]{1,10}):([0-9]{1,10})", fields[2]) if len(fields) > 2 else None
         try:
             dash = fields.index("-", 6)
         except ValueError:

@@ -1,0 +1,89 @@
+"""Events are posted in order, a few at a time, after the work that made them; none is lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+from passthrough.k8s import EventRecorder
+
+
+class Response:
+    status, reason = 201, "Created"
+
+    def release(self) -> None:
+        pass
+
+
+class FakeCore:
+    def __init__(self, delay: float = 0.01, hang: bool = False) -> None:
+        self.posted: list[dict] = []
+        self.in_flight = self.most_in_flight = 0
+        self.delay, self.hang = delay, hang
+
+    async def create_namespaced_event(self, namespace, body, **kwargs):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(3600 if self.hang else self.delay)
+            self.posted.append({"namespace": namespace, **body})
+            return Response()
+        finally:
+            self.in_flight -= 1
+
+
+def recorder(core: FakeCore, **kwargs) -> EventRecorder:
+    return EventRecorder(core, "test", **kwargs)
+
+
+def involved(i: int) -> dict:
+    return {"api_version": "passthrough.io/v1alpha1", "kind": "PCIDevice", "name": f"d{i}", "namespace": "team-a", "uid": f"u{i}"}
+
+
+async def test_every_event_is_posted_in_order_with_few_in_flight():
+    core = FakeCore()
+    events = recorder(core, concurrency=3)
+    for i in range(20):
+        events.post(involved(i), "Normal", "Assigned", f"message {i}")
+    await asyncio.wait_for(events.drain(), 5)
+    assert [e["message"] for e in core.posted] == [f"message {i}" for i in range(20)]
+    assert core.most_in_flight == 3
+    first = core.posted[0]
+    assert first["involvedObject"] == {"apiVersion": "passthrough.io/v1alpha1", "kind": "PCIDevice", "name": "d0",
+                                       "namespace": "team-a", "uid": "u0"}
+    assert first["metadata"] == {"generateName": "d0.", "namespace": "team-a"} and first["source"] == {"component": "test"}
+    assert first["firstTimestamp"] == first["lastTimestamp"] and first["type"] == "Normal" and first["count"] == 1
+
+
+async def test_events_wait_for_the_work_to_be_done_but_not_longer_than_max_delay():
+    core = FakeCore()
+    busy = asyncio.Event()
+    events = recorder(core, quiet=busy.wait, max_delay=0.5)
+    events.post(involved(1), "Normal", "Assigned", "during the burst")
+    await asyncio.sleep(0.2)
+    assert core.posted == []  # the work is not done: it waits
+    busy.set()
+    await asyncio.wait_for(events.drain(), 1)
+    assert len(core.posted) == 1
+
+    never = asyncio.Event()
+    events = recorder(core, quiet=never.wait, max_delay=0.3)
+    events.post(involved(2), "Normal", "Assigned", "in endless churn")
+    await asyncio.wait_for(events.drain(), 2)  # posted anyway, at most max_delay late
+    assert core.posted[-1]["message"] == "in endless churn"
+
+
+async def test_past_the_backlog_the_oldest_events_are_dropped_and_counted():
+    core = FakeCore()
+    events = recorder(core, concurrency=1, backlog=5)
+    for i in range(12):
+        events.post(involved(i), "Normal", "Assigned", f"message {i}")
+    await asyncio.wait_for(events.drain(), 5)
+    assert [e["message"] for e in core.posted] == [f"message {i}" for i in range(7, 12)]
+    assert events.dropped == 7
+
+
+async def test_closing_does_not_hang_on_an_api_server_that_is_gone():
+    events = recorder(FakeCore(hang=True))
+    events.post(involved(1), "Warning", "NodeGone", "the node is gone")
+    await asyncio.wait_for(events.close(timeout=0.2), 2)
+    assert not events._posters
