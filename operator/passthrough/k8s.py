@@ -13,7 +13,7 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
@@ -214,11 +214,31 @@ class Custom:
                 resource_version=resource_version,
                 allow_watch_bookmarks=True,
                 timeout_seconds=timeout,
+                _request_timeout=watch_request_timeout(timeout),
             ) as stream:
                 async for event in stream:
                     yield event["type"], event["raw_object"]
         finally:
             w.stop()
+
+
+def watch_request_timeout(server_timeout: int) -> tuple[float, float]:
+    """(connect, read) seconds for a watch's request: a connection that never opens, or a server
+    gone silent, ends the watch (to be started again) instead of holding it for ever."""
+    return (10.0, server_timeout + 30.0)
+
+
+def merge_listing(cached: Mapping[str, dict[str, Any]], items: Iterable[dict[str, Any]], list_rv: str) -> dict[str, dict[str, Any]]:
+    """A cache made current by a listing taken at `list_rv` while a watch may have kept it too:
+    what the listing holds, unless the cache has it newer; what the listing lacks is gone,
+    unless the cache saw it written after the listing was taken."""
+    fresh = {o["metadata"]["name"]: o for o in items}
+    merged = {name: cached[name] if name in cached and not newer(obj, cached[name]) else obj for name, obj in fresh.items()}
+    probe = {"metadata": {"resourceVersion": list_rv}}
+    for name, obj in cached.items():
+        if name not in fresh and not newer(probe, obj):
+            merged[name] = obj
+    return merged
 
 
 def newer(candidate: dict[str, Any], cached: dict[str, Any] | None) -> bool:
@@ -250,9 +270,12 @@ class Mirror:
         self._resource_version = ""
 
     async def relist(self) -> None:
+        """List again: after a connection trouble, a write may have landed whose answer was lost
+        while the watch was away, and only the server knows."""
         listing = await self.kind.list(self.label_selector)
-        self.objects = {o["metadata"]["name"]: o for o in listing.get("items", [])}
-        self._resource_version = listing["metadata"]["resourceVersion"]
+        rv = listing["metadata"]["resourceVersion"]
+        self.objects = merge_listing(self.objects, listing.get("items", []), rv)
+        self._resource_version = rv
         self.synced.set()
 
     def store(self, obj: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ from passthrough.k8s import (
     EventRecorder,
     Mirror,
     require_crds,
+    watch_request_timeout,
 )
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.pciids import PciIds
@@ -88,6 +89,7 @@ class Agent:
         self.mirror = Mirror(self.devices, label_selector=f"{NODE_LABEL}={node_name}")
         self.core = client.CoreV1Api(api)
         self._wake = asyncio.Event()
+        self._resync = False  # list the objects again before the next scan (set after trouble)
         self._limit = asyncio.Semaphore(concurrency)
         self._logged: set[str] = set()
         self._assignments: dict[str, str] = {}
@@ -135,11 +137,14 @@ class Agent:
                         result = await self.scan()
                     if result.failed:
                         # Some writes failed (API unavailable, conflict): try again soon, not in 5 minutes.
+                        self._resync = True
                         asyncio.get_running_loop().call_later(5, self._wake.set)
                 except (ApiException, OSError, TimeoutError, aiohttp.ClientError) as exc:
                     # aiohttp.ClientError: a server that accepted the connection and went away
                     # mid-request (ServerDisconnectedError) is no OSError, and no reason to stop.
                     log.warning("scan failed (%s: %s); retrying in 5s", type(exc).__name__, exc)
+                    # A write whose answer was lost may have landed: the next scan lists first.
+                    self._resync = True
                     asyncio.get_running_loop().call_later(5, self._wake.set)
                 await self._wait_for_reason()
         finally:
@@ -175,7 +180,8 @@ class Agent:
         while True:
             try:
                 async with watch.Watch().stream(
-                    self.core.list_node, field_selector=f"metadata.name={self.node_name}", timeout_seconds=300
+                    self.core.list_node, field_selector=f"metadata.name={self.node_name}", timeout_seconds=300,
+                    _request_timeout=watch_request_timeout(300),
                 ) as stream:
                     async for event in stream:
                         labels = (event["raw_object"].get("metadata") or {}).get("labels") or {}
@@ -203,8 +209,9 @@ class Agent:
         node = await self._node()
         if node is None:
             return result
-        if not self.mirror.synced.is_set():  # a scan outside run(): know what is there first
+        if not self.mirror.synced.is_set() or self._resync:  # outside run(), or after trouble: know what is there
             await self.mirror.relist()
+            self._resync = False
         discovery: Discovery = await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids)
         for problem in discovery.problems:
             self._log_once(problem, "%s", problem)

@@ -1,0 +1,32 @@
+"""A listing taken while a watch kept the cache: what each side knows best is kept."""
+
+from __future__ import annotations
+
+from passthrough.k8s import merge_listing, watch_request_timeout
+
+
+def obj(name: str, rv: int, **extra) -> dict:
+    return {"metadata": {"name": name, "resourceVersion": str(rv)}, **extra}
+
+
+def test_an_object_written_while_the_cache_was_away_comes_in_with_the_listing():
+    # The answer to its create was lost and the watch was gone: only the listing has it.
+    merged = merge_listing({"a": obj("a", 5)}, [obj("a", 5), obj("lost-answer", 7)], "8")
+    assert set(merged) == {"a", "lost-answer"}
+
+
+def test_the_listing_drops_what_is_gone_but_not_what_was_written_after_it():
+    cached = {"deleted": obj("deleted", 3), "newer-than-the-list": obj("newer-than-the-list", 12)}
+    merged = merge_listing(cached, [], "10")
+    assert set(merged) == {"newer-than-the-list"}
+
+
+def test_the_newer_copy_wins_either_way():
+    cached = {"a": obj("a", 12, spec="cache"), "b": obj("b", 4, spec="cache")}
+    merged = merge_listing(cached, [obj("a", 9, spec="list"), obj("b", 9, spec="list")], "10")
+    assert merged["a"]["spec"] == "cache" and merged["b"]["spec"] == "list"
+
+
+def test_a_watch_ends_once_its_connection_or_its_server_goes_silent():
+    connect, read = watch_request_timeout(300)
+    assert 0 < connect <= 30 and read > 300
