@@ -35,10 +35,11 @@ unit: venv
 integration: controlplane
 	$(PY) -m pytest -q tests/integration
 
-## Regenerate crds/ and the chart's CRDs from the API models.
+## Regenerate crds/, the chart's CRDs and its values.schema.json from the API models.
 crds: venv
 	$(VENV)/bin/passthrough crds --out crds
 	$(VENV)/bin/passthrough crds --out charts/passthrough-operator/crds
+	$(VENV)/bin/passthrough values-schema --out charts/passthrough-operator/values.schema.json
 
 ## Regenerate the kubelet gRPC code (operator/passthrough/deviceplugin/kubeletapi) from its vendored protos.
 protos: venv

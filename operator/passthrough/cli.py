@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from passthrough.api import crds
+from passthrough.api import chart_values, crds
 
 # Exit codes: 0 ok, 1 a runtime failure (cluster unreachable, ...), 2 bad usage or input.
 
@@ -29,8 +29,22 @@ def _add_host_roots(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pci-ids", metavar="FILE", help="pci.ids database (default: the host's)")
 
 
+def _kubeconfig_file(path: str) -> str:
+    # A path that names no file is a typo, not a cluster that cannot be reached: a usage error (2).
+    if not Path(path).exists():
+        raise argparse.ArgumentTypeError(
+            f"{path}: the file does not exist; pass the path of a kubeconfig, or leave --kubeconfig out "
+            "to use $KUBECONFIG (in a pod: the service account)"
+        )
+    if Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory; pass the path of a kubeconfig file")
+    return path
+
+
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, else $KUBECONFIG)")
+    p.add_argument(
+        "--kubeconfig", type=_kubeconfig_file, metavar="FILE", help="kubeconfig (default: in-cluster, else $KUBECONFIG)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -40,6 +54,14 @@ def _cmd_crds(args: argparse.Namespace) -> int:
             print(path)
         return 0
     sys.stdout.write("---\n".join(crds.render_yaml(c) for c in crds.all_crds()))
+    return 0
+
+
+def _cmd_values_schema(args: argparse.Namespace) -> int:
+    if args.out:
+        print(chart_values.write_values_schema(Path(args.out)))
+        return 0
+    sys.stdout.write(chart_values.render(chart_values.values_schema()))
     return 0
 
 
@@ -144,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("crds", help="print the CustomResourceDefinitions (or write them to --out)")
     p.add_argument("--out", metavar="DIR", help="write one manifest per CRD into DIR")
     p.set_defaults(func=_cmd_crds)
+
+    p = sub.add_parser("values-schema", help="print the Helm chart's values.schema.json (or write it to --out)")
+    p.add_argument("--out", metavar="FILE", help=f"write it to FILE (the chart's is {chart_values.VALUES_SCHEMA})")
+    p.set_defaults(func=_cmd_values_schema)
     return parser
 
 

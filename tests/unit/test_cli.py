@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-COMMANDS = ["operator", "agent", "discover", "render", "resource-name", "crds"]
+COMMANDS = ["operator", "agent", "discover", "render", "resource-name", "crds", "values-schema"]
 
 
 def run(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -20,10 +20,25 @@ def test_every_subcommand_has_help(command):
     assert result.returncode == 0 and result.stdout.startswith(f"usage: passthrough {command}")
 
 
+def _client(command: str, *args: str) -> subprocess.CompletedProcess:
+    return run(command, "--node-name=n1", *args) if command == "agent" else run(command, *args)
+
+
+@pytest.mark.parametrize("command", ["operator", "agent"])
+def test_a_kubeconfig_that_does_not_exist_is_a_usage_error_that_says_so(command, tmp_path):
+    missing = tmp_path / "missing"
+    result = _client(command, f"--kubeconfig={missing}")
+    assert result.returncode == 2
+    assert f"--kubeconfig: {missing}: the file does not exist" in result.stderr
+    assert "pass the path of a kubeconfig" in result.stderr  # and what to do instead
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("command", ["operator", "agent"])
 def test_without_a_usable_kubeconfig_the_message_says_what_to_do(command, tmp_path):
-    result = run(command, "--node-name=n1", f"--kubeconfig={tmp_path / 'missing'}") if command == "agent" else run(
-        command, f"--kubeconfig={tmp_path / 'missing'}")
+    garbled = tmp_path / "kubeconfig"
+    garbled.write_text("this: is not a kubeconfig\n")
+    result = _client(command, f"--kubeconfig={garbled}")
     assert result.returncode == 1
     assert "no usable kubeconfig" in result.stderr and "--kubeconfig" in result.stderr
     assert "Traceback" not in result.stderr

@@ -1,7 +1,9 @@
 """The CRDs are generated from the pydantic models and checked in; they must not drift."""
 
+import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from passthrough.api import crds, models
@@ -59,3 +61,75 @@ def test_crds_command_prints_every_manifest(capsys):
     assert main(["crds"]) == 0
     documents = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     assert sorted(d["spec"]["names"]["kind"] for d in documents) == ["NodePCIDevice", "PCIDevice", "PassthroughConfig"]
+
+
+def test_kubectl_explain_has_a_description_for_every_field():
+    def walk(node, path, missing):
+        for name, sub in (node.get("properties") or {}).items():
+            if not sub.get("description", "").strip():
+                missing.append(f"{path}.{name}")
+            walk(sub, f"{path}.{name}", missing)
+        if "items" in node:
+            items = node["items"]
+            if items.get("type") == "object" and not items.get("description", "").strip():
+                missing.append(f"{path}[]")
+            walk(items, f"{path}[]", missing)
+        return missing
+
+    for crd in crds.all_crds():
+        root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        assert root["description"]
+        assert walk(root, crd["spec"]["names"]["kind"], []) == []
+
+
+def _condition_types_described(resource: models.Resource) -> str:
+    crd = crds.crd_for(resource)
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    return status["properties"]["conditions"]["items"]["properties"]["type"]["description"]
+
+
+@pytest.mark.parametrize(
+    ("resource", "types"),
+    [
+        (models.NODE_PCI_DEVICE, ["Ready", "Assigned", "Attached"]),
+        (models.PCI_DEVICE, ["Ready", "Attached"]),
+        (models.PASSTHROUGH_CONFIG, ["Valid", "Applied", "AssignedDevicesPermitted", "NodesMatchAllowList"]),
+    ],
+)
+def test_each_kind_describes_the_condition_types_it_carries(resource, types):
+    described = _condition_types_described(resource)
+    every = {"Ready", "Assigned", "Attached", "Valid", "Applied", "AssignedDevicesPermitted", "NodesMatchAllowList"}
+    assert {t for t in every if re.search(rf"\b{t}\b", described)} == set(types), described
+
+
+def test_the_config_condition_types_described_are_the_ones_the_operator_writes():
+    import datetime
+
+    from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, plan_sync
+
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    config = ConfigView("cluster", "uid", 1, {}, {})
+    plan = plan_sync(config, live, [], [], None, datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC))
+    written = {c["type"] for c in plan.status["status"]["conditions"]}
+    described = _condition_types_described(models.PASSTHROUGH_CONFIG)
+    assert written == {t for t in written | {"Ready", "Assigned", "Attached"} if re.search(rf"\b{t}\b", described)}
+
+
+def test_pcidevice_columns_show_ready_so_a_tenant_sees_an_unusable_device():
+    crd = crds.crd_for(models.PCI_DEVICE)
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    assert [c["name"].upper() for c in columns if not c.get("priority")] == ["NODE", "ADDRESS", "READY", "ATTACHED", "AGE"]
+    [ready] = [c for c in columns if c["name"] == "Ready"]
+    assert ready["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
+
+
+def test_the_config_shows_valid_and_the_variant_even_when_nobody_wrote_it():
+    crd = crds.crd_for(models.PASSTHROUGH_CONFIG)
+    version = crd["spec"]["versions"][0]
+    columns = {c["name"].upper(): c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["VARIANT"] == ".spec.gpu.variant"
+    assert columns["VALID"] == '.status.conditions[?(@.type=="Valid")].status'
+    # The API server fills in defaults level by level: spec, then gpu, then variant.
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["default"] == {} and spec["properties"]["gpu"]["default"] == {}
+    assert spec["properties"]["gpu"]["properties"]["variant"]["default"] == "default"

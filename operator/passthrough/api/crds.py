@@ -81,12 +81,19 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Every object's first three fields, described as Kubernetes describes them for its own kinds.
+_OBJECT_META: dict[str, dict[str, Any]] = {
+    "apiVersion": {
+        "type": "string",
+        "description": "The versioned schema of this representation of an object: passthrough.io/v1alpha1.",
+    },
+    "kind": {"type": "string", "description": "The REST resource this object represents."},
+    "metadata": {"type": "object", "description": "Standard object's metadata."},
+}
+
+
 def crd_for(resource: Resource) -> dict[str, Any]:
-    properties: dict[str, Any] = {
-        "apiVersion": {"type": "string"},
-        "kind": {"type": "string"},
-        "metadata": {"type": "object"},
-    }
+    properties: dict[str, Any] = {name: dict(schema) for name, schema in _OBJECT_META.items()}
     if resource.spec_model is not None:
         properties["spec"] = {**structural_schema(resource.spec_model), "default": {}}
     properties["status"] = structural_schema(resource.status_model)

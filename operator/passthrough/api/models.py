@@ -8,7 +8,7 @@ Field names are the API's own (camelCase) so that code and manifests read alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,8 +36,8 @@ class APIModel(BaseModel):
 class Condition(APIModel):
     """A standard Kubernetes condition (metav1.Condition)."""
 
-    type: str = Field(description="Type of the condition: Ready, Assigned or Attached.")
-    status: Literal["True", "False", "Unknown"]
+    type: str = Field(description="Type of the condition.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds: True, False or Unknown.")
     reason: str = Field(
         pattern=CAMEL_CASE_REASON,
         description="Why the condition is in this state, in CamelCase.",
@@ -47,19 +47,63 @@ class Condition(APIModel):
         json_schema_extra={"format": "date-time"},
         description="When the status last changed.",
     )
-    observedGeneration: int | None = Field(default=None, ge=0)
+    observedGeneration: int | None = Field(
+        default=None, ge=0, description="The metadata.generation the condition was set for."
+    )
 
 
-Conditions = Annotated[
-    list[Condition],
-    Field(
+# The condition types each kind carries, as `kubectl explain <kind>.status.conditions.type` tells them.
+class NodePCIDeviceCondition(Condition):
+    """A condition of a NodePCIDevice (metav1.Condition)."""
+
+    type: str = Field(
+        description=(
+            "Ready (the agent's word: the device is present and can be passed through; NotReady and "
+            "NotFound say why not), Assigned (the operator's: its PCIDevice exists in spec.assignedNamespace) "
+            "or Attached (a VirtualMachine lists it)."
+        )
+    )
+
+
+class PCIDeviceCondition(Condition):
+    """A condition of a PCIDevice (metav1.Condition)."""
+
+    type: str = Field(
+        description=(
+            "Ready (the device's NodePCIDevice is Ready on its node) or Attached (a VirtualMachine of "
+            "this namespace lists it, or one of another namespace still holds it)."
+        )
+    )
+
+
+class PassthroughConfigCondition(Condition):
+    """A condition of the PassthroughConfig (metav1.Condition)."""
+
+    type: str = Field(
+        description=(
+            "Valid (the values pass every check), Applied (the KubeVirt CR has the rendered "
+            "permittedHostDevices and feature gates), AssignedDevicesPermitted (every assigned device "
+            "has its entry in the allow-list) or NodesMatchAllowList (every GPU the nodes advertise "
+            "is allow-listed)."
+        )
+    )
+
+
+def _conditions(description: str) -> Any:
+    return Field(
         default_factory=list,
+        description=description,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],
         },
-    ),
-]
+    )
+
+
+def _defaulted(model: type[BaseModel], description: str) -> Any:
+    # `default: {}` in the CRD as well: the API server then fills in the object's own fields'
+    # defaults, so `kubectl get ptconfig` shows gpu.variant even when nobody wrote it.
+    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
 
 
 class PCIAttributes(APIModel):
@@ -80,6 +124,8 @@ class PCIAttributes(APIModel):
 
 
 class NodePCIDeviceSpec(APIModel):
+    """What an admin decides about the device: which namespace may use it."""
+
     assignedNamespace: str = Field(
         default="",
         max_length=63,
@@ -106,11 +152,15 @@ class NodePCIDeviceSpec(APIModel):
 
 
 class NamespaceRef(APIModel):
+    """A namespace as it was when a device was handed to it."""
+
     name: str = Field(description="Namespace name.")
     uid: str = Field(description="The namespace's uid when the device was handed to it.")
 
 
 class NodePCIDeviceStatus(APIModel):
+    """What the node's agent reports about the device, and what the operator made of it."""
+
     attributes: PCIAttributes | None = None
     resourceName: str = Field(
         default="",
@@ -144,15 +194,21 @@ class NodePCIDeviceStatus(APIModel):
             "deleted and created again under the same name does not inherit the device."
         ),
     )
-    conditions: Conditions
+    conditions: list[NodePCIDeviceCondition] = _conditions(
+        "Ready, Assigned and Attached: the agent writes Ready, the operator the other two."
+    )
 
 
 class PCIDeviceStatus(APIModel):
+    """The assigned device as this namespace sees it, copied from its NodePCIDevice by the operator."""
+
     attributes: PCIAttributes | None = None
     nodeName: str = Field(default="", description="Node the device is installed in.")
     resourceName: str = Field(default="", description="Resource name a VM uses as deviceName.")
     attachedTo: str = Field(default="", description="VirtualMachine whose spec lists this device.")
-    conditions: Conditions
+    conditions: list[PCIDeviceCondition] = _conditions(
+        "Ready and Attached: whether a VM here can use the device now, and which VM does."
+    )
 
 
 class PciHostDevice(APIModel):
@@ -172,15 +228,28 @@ class MediatedHostDevice(APIModel):
 
     mdevNameSelector: str = Field(min_length=1, description="mdev type name, e.g. 'GRID T4-1Q'.")
     resourceName: str = Field(min_length=1, description="Extended resource name.")
-    externalResourceProvider: bool = Field(default=True)
+    externalResourceProvider: bool = Field(
+        default=True,
+        description="Leave allocation to an external device plugin (such as NVIDIA's vGPU plugin), not KubeVirt's own.",
+    )
 
 
 class PermittedHostDevices(APIModel):
-    pciHostDevices: list[PciHostDevice] = Field(default_factory=list)
-    mediatedDevices: list[MediatedHostDevice] = Field(default_factory=list)
+    """Allow-list entries of the admin's, rendered into the KubeVirt CR's permittedHostDevices."""
+
+    pciHostDevices: list[PciHostDevice] = Field(
+        default_factory=list,
+        description="Whole PCI devices (variant default): after the default NVIDIA table, or instead of it "
+        "with replaceDefaults.",
+    )
+    mediatedDevices: list[MediatedHostDevice] = Field(
+        default_factory=list, description="Mediated devices (variant vgpu), such as NVIDIA vGPU types."
+    )
 
 
 class KubeVirtTarget(APIModel):
+    """The KubeVirt CR whose permittedHostDevices and feature gates the operator writes."""
+
     name: str = Field(default="kubevirt", description="Name of the KubeVirt CR to manage.")
     namespace: str = Field(default="kubevirt", description="Namespace of the KubeVirt CR.")
     extraFeatureGates: list[str] = Field(
@@ -189,6 +258,8 @@ class KubeVirtTarget(APIModel):
 
 
 class GPUValues(APIModel):
+    """How GPUs are given to VMs, and which models KubeVirt allows."""
+
     variant: Literal["default", "vgpu"] = Field(
         default="default",
         description="default: PCI passthrough of whole GPUs; vgpu: mediated devices.",
@@ -196,7 +267,9 @@ class GPUValues(APIModel):
     replaceDefaults: bool = Field(
         default=False, description="Drop the default NVIDIA table instead of appending to it."
     )
-    permittedHostDevices: PermittedHostDevices = Field(default_factory=PermittedHostDevices)
+    permittedHostDevices: PermittedHostDevices = _defaulted(
+        PermittedHostDevices, "Allow-list entries besides (or, with replaceDefaults, instead of) the default NVIDIA table."
+    )
 
 
 # Ten years: longer means "never", and no clock arithmetic overflows.
@@ -204,6 +277,8 @@ MAX_GRACE_SECONDS = 315_360_000
 
 
 class DeviceSettings(APIModel):
+    """How the operator treats namespace-assigned devices."""
+
     notFoundGracePeriodSeconds: int = Field(
         default=600,
         ge=0,
@@ -218,9 +293,9 @@ class DeviceSettings(APIModel):
 class PassthroughConfigSpec(APIModel):
     """The platform values."""
 
-    kubevirt: KubeVirtTarget = Field(default_factory=KubeVirtTarget)
-    gpu: GPUValues = Field(default_factory=GPUValues)
-    devices: DeviceSettings = Field(default_factory=DeviceSettings)
+    kubevirt: KubeVirtTarget = _defaulted(KubeVirtTarget, "The KubeVirt CR to configure, and extra feature gates.")
+    gpu: GPUValues = _defaulted(GPUValues, "GPU variant and the KubeVirt allow-list (permittedHostDevices).")
+    devices: DeviceSettings = _defaulted(DeviceSettings, "How assigned devices that go missing are treated.")
 
 
 class AllowListMismatch(APIModel):
@@ -228,10 +303,10 @@ class AllowListMismatch(APIModel):
 
     # No defaults: the API server would fill every absent key with "" and the list would
     # read as noise. Absent means "not known for this kind of mismatch".
-    resourceName: str
-    pciVendorSelector: str | None = None
-    nodeName: str | None = None
-    pciAddress: str | None = None
+    resourceName: str = Field(description="The extended resource name in question.")
+    pciVendorSelector: str | None = Field(default=None, description="vendor:device in hex, when known.")
+    nodeName: str | None = Field(default=None, description="Node that advertises it, when one does.")
+    pciAddress: str | None = Field(default=None, description="PCI address of the GPU on that node.")
     expected: str | None = Field(default=None, description="The allow-list's name for this card, when a node calls it otherwise.")
 
 
@@ -243,26 +318,32 @@ class LeftOutDevice(APIModel):
 
 
 class PassthroughConfigStatus(APIModel):
-    observedGeneration: int | None = None
-    conditions: Conditions
+    """What the operator rendered from the values, applied to KubeVirt, and found amiss."""
+
+    observedGeneration: int | None = Field(default=None, description="The metadata.generation this status is for.")
+    conditions: list[PassthroughConfigCondition] = _conditions(
+        "Valid, Applied, AssignedDevicesPermitted and NodesMatchAllowList; a False one says what to fix."
+    )
     featureGates: list[str] = Field(default_factory=list, description="Feature gates applied.")
     pciHostDevices: int = Field(default=0, description="pciHostDevices entries applied.")
     mediatedDevices: int = Field(default=0, description="mediatedDevices entries applied.")
-    warnings: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(
+        default_factory=list, description="Values that are valid but probably not meant (an empty allow-list, ...)."
+    )
     notAdvertised: list[AllowListMismatch] = Field(
         default_factory=list, description="Allow-listed resource names no node advertises (the first 50)."
     )
-    notAdvertisedCount: int = 0
+    notAdvertisedCount: int = Field(default=0, description="How many allow-listed names no node advertises.")
     notPermitted: list[AllowListMismatch] = Field(
         default_factory=list, description="GPUs nodes advertise that the allow-list lacks (the first 50)."
     )
-    notPermittedCount: int = 0
+    notPermittedCount: int = Field(default=0, description="How many advertised GPUs the allow-list lacks.")
     leftOut: list[LeftOutDevice] = Field(
         default_factory=list,
         description="Assigned devices whose exclusive entry is left out of the allow-list (the first 50); "
         "the rest of the allow-list is applied.",
     )
-    leftOutCount: int = 0
+    leftOutCount: int = Field(default=0, description="How many assigned devices are left out of the allow-list.")
 
 
 @dataclass(frozen=True)
@@ -332,6 +413,8 @@ PCI_DEVICE = Resource(
     printer_columns=[
         {"name": "Node", "type": "string", "jsonPath": ".status.nodeName"},
         {"name": "Address", "type": "string", "jsonPath": ".status.attributes.pciAddress"},
+        # A tenant sees at a glance that a device of theirs cannot be used now.
+        _condition_column("Ready", "Ready"),
         _condition_column("Attached", "Attached"),
         _AGE,
         {"name": "Vendor", "type": "string", "jsonPath": ".status.attributes.vendorID", "priority": 1},

@@ -1,0 +1,271 @@
+"""The Helm chart's values as models, and its values.schema.json generated from them.
+
+The platform values (`kubevirt`, `gpu`, `devices`) are the PassthroughConfig's spec, so their
+schema is the CRD's own (the same structural schema `crds.py` writes), closed to unknown keys.
+How the operator and the agents run is described by the models below. Helm checks values
+against the schema on lint, template, install and upgrade, and refuses a misspelt key or a
+wrong type with a message naming it, where the templates would silently ignore it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from passthrough.api.crds import structural_schema
+from passthrough.api.models import DNS1123_LABEL, PassthroughConfigSpec
+
+SCHEMA_DRAFT = "http://json-schema.org/draft-07/schema#"
+VALUES_SCHEMA = Path("charts/passthrough-operator/values.schema.json")
+
+# What `passthrough.durations` reads: 300, 90s, 5m, 1h30m.
+DURATION = r"^([0-9]+(\.[0-9]+)?|([0-9]+(\.[0-9]+)?(ms|h|m|s))+)$"
+# Prometheus' own durations (a ServiceMonitor's interval): 30s, 1m, 1h30m.
+PROMETHEUS_DURATION = r"^(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?$"
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+Labels = dict[str, str]
+
+
+class Values(BaseModel):
+    """A part of the values: every key is known, so a misspelt one is an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ConfigValues(Values):
+    create: bool = Field(
+        description="Render the `cluster` PassthroughConfig from kubevirt, gpu and devices; false when "
+        "something else owns that object (GitOps, a platform's own package)."
+    )
+
+
+class ImageValues(Values):
+    repository: str = Field(min_length=1, description="Image of the operator and the agent, without its tag.")
+    tag: str = Field(default="", description="Image tag; empty: the chart's appVersion.")
+    pullPolicy: Literal["Always", "IfNotPresent", "Never"] = Field(description="The containers' imagePullPolicy.")
+
+
+class SecretRef(Values):
+    name: str = Field(min_length=1, description="A kubernetes.io/dockerconfigjson Secret in the release's namespace.")
+
+
+class Resources(Values):
+    """The container's resources (requests and limits), as in a pod spec."""
+
+    requests: dict[str, str | float] | None = Field(default=None, description="Requested cpu, memory, ...")
+    limits: dict[str, str | float] | None = Field(default=None, description="Limits of cpu, memory, ...")
+    claims: list[dict[str, Any]] | None = Field(default=None, description="Dynamic resource claims, as in a pod spec.")
+
+
+class Toleration(Values):
+    """A toleration, as in a pod spec."""
+
+    key: str = Field(default="", description="Taint key; empty with operator Exists: every taint.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str = Field(default="", description="Taint value, with operator Equal.")
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = Field(
+        default="", description="Taint effect; empty: every effect."
+    )
+    tolerationSeconds: int | None = Field(default=None, description="How long a NoExecute taint is tolerated.")
+
+
+class Affinity(Values):
+    """Scheduling constraints, as in a pod spec."""
+
+    nodeAffinity: dict[str, Any] | None = Field(default=None, description="As in a pod spec.")
+    podAffinity: dict[str, Any] | None = Field(default=None, description="As in a pod spec.")
+    podAntiAffinity: dict[str, Any] | None = Field(default=None, description="As in a pod spec.")
+
+
+class PodValues(Values):
+    """Where and how a component's pods run; the keys both components share."""
+
+    extraArgs: list[str] = Field(default_factory=list, description="Extra command-line flags, e.g. [--verbose].")
+    resources: Resources | None = Field(default=None, description="The container's requests and limits.")
+    tolerations: list[Toleration] | None = Field(default=None, description="Taints its pods tolerate.")
+    priorityClassName: str = Field(default="", description="PriorityClass of its pods; empty: none.")
+    podAnnotations: dict[str, str] | None = Field(default=None, description="Annotations of its pods.")
+    nodeSelector: dict[str, str] | None = Field(default=None, description="Labels of the nodes its pods may run on.")
+
+
+class OperatorValues(PodValues):
+    """The operator's Deployment: always one replica, replaced with strategy Recreate (Kopf runs active/standby only)."""
+
+    workers: int = Field(ge=1, description="Devices reconciled in parallel.")
+    livenessPort: Port = Field(description="Port of Kopf's liveness endpoint, which the liveness probe reads.")
+    affinity: Affinity | None = Field(default=None, description="The operator pod's scheduling constraints.")
+
+
+class IssuerRef(Values):
+    """cert-manager's issuerRef; empty: a self-signed Issuer made by the chart."""
+
+    # `{}` is the default, so `name` is required only once another key is given.
+    model_config = ConfigDict(json_schema_extra={"dependencies": {"kind": ["name"], "group": ["name"]}})
+
+    name: str = Field(default="", description="Name of the Issuer or ClusterIssuer.")
+    kind: str = Field(default="Issuer", description="Issuer or ClusterIssuer.")
+    group: str = Field(default="cert-manager.io", description="API group of the issuer.")
+
+
+class CertManagerValues(Values):
+    enabled: bool = Field(description="cert-manager issues the certificate and its CA injector sets the caBundle.")
+    issuerRef: IssuerRef | None = Field(
+        default=None, description="The issuer that signs it; empty: a self-signed Issuer made by the chart."
+    )
+
+
+class WebhookValues(Values):
+    """The admission webhooks, served by the operator over HTTPS."""
+
+    enabled: bool = Field(description="Register and serve the validating admission webhooks.")
+    port: Port = Field(description="The operator's HTTPS port; its Service listens on 443.")
+    timeoutSeconds: int = Field(ge=1, le=30, description="How long the API server waits for an answer (1 to 30).")
+    certManager: CertManagerValues = Field(description="The serving certificate: generated by the chart, or by cert-manager.")
+
+
+class DevicePluginValues(Values):
+    enabled: bool = Field(
+        description="Bind devices to vfio-pci and serve them to the kubelet; false: only report devices."
+    )
+    poolResources: bool = Field(
+        description="Serve GPU pools (nvidia.com/...); false where NVIDIA's sandbox device plugin serves them."
+    )
+
+
+class AgentValues(PodValues):
+    """The node agents' DaemonSet."""
+
+    rescanInterval: Annotated[str, Field(pattern=DURATION)] | Annotated[float, Field(gt=0)] = Field(
+        description="Periodic rescan besides hotplug events, SIGHUP and (re)assignments: 300, 90s, 5m, 1h30m."
+    )
+    hotplug: bool = Field(description="Listen for kernel hotplug uevents.")
+    devicePlugin: DevicePluginValues = Field(description="What the agent does besides reporting devices.")
+
+
+class ServiceMonitorValues(Values):
+    enabled: bool = Field(description="Create a ServiceMonitor (Prometheus Operator) for the metrics Services.")
+    interval: str = Field(pattern=PROMETHEUS_DURATION, min_length=2, description="Scrape interval, e.g. 30s.")
+    labels: Labels = Field(description="Labels of the ServiceMonitor, for the Prometheus that selects it.")
+
+
+class DashboardValues(Values):
+    enabled: bool = Field(description="Ship the Grafana dashboard as a ConfigMap.")
+    labels: Labels = Field(description="Labels of the ConfigMap, for Grafana's dashboard sidecar.")
+
+
+class MetricsValues(Values):
+    """Prometheus metrics, served by the operator and by every agent."""
+
+    enabled: bool = Field(description="Serve metrics and make a Service for them.")
+    operatorPort: Port = Field(description="The operator's metrics port.")
+    agentPort: Port = Field(description="The agents' metrics port (on the host network).")
+    serviceMonitor: ServiceMonitorValues = Field(description="A ServiceMonitor for the Prometheus Operator.")
+    dashboard: DashboardValues = Field(description="A Grafana dashboard of these metrics.")
+
+
+class RuntimeValues(Values):
+    """How the operator and the node agents run: every key of the values but the platform values."""
+
+    config: ConfigValues = Field(description="The `cluster` PassthroughConfig made from the platform values.")
+    image: ImageValues = Field(description="One image for the operator and the agent.")
+    imagePullSecrets: list[SecretRef] = Field(default_factory=list, description="Secrets to pull the image with.")
+    fullnameOverride: str = Field(
+        default="",
+        max_length=50,
+        pattern=f"^$|{DNS1123_LABEL}",
+        description="Name prefix of every object (default: the release name, with -passthrough appended unless "
+        "it has passthrough in it).",
+    )
+    operator: OperatorValues = Field(description="The operator's Deployment.")
+    webhook: WebhookValues = Field(description="The admission webhooks the operator serves.")
+    agent: AgentValues = Field(description="The node agents' DaemonSet.")
+    metrics: MetricsValues = Field(description="Prometheus metrics of the operator and the agents.")
+    global_: dict[str, Any] = Field(
+        default_factory=dict,
+        alias="global",
+        description="Values Helm shares with subcharts: a parent chart's pass through here; this chart reads none.",
+    )
+
+
+def values_schema() -> dict[str, Any]:
+    """The chart's values.schema.json (JSON Schema draft-07, which every Helm 3 reads)."""
+    platform = structural_schema(PassthroughConfigSpec)["properties"]
+    runtime = _inline(RuntimeValues.model_json_schema(by_alias=True, mode="validation"))
+    # In values.yaml's order: `config`, the platform values it is made from, then the rest.
+    properties = {
+        "config": runtime["properties"]["config"],
+        **{name: closed(schema) for name, schema in platform.items()},
+        **{name: schema for name, schema in runtime["properties"].items() if name != "config"},
+    }
+    return {
+        "$schema": SCHEMA_DRAFT,
+        "type": "object",
+        "description": "Values of the passthrough-operator chart: the platform values (kubevirt, gpu, devices; "
+        "the PassthroughConfig's spec) and how the operator and the node agents run.",
+        "properties": properties,
+        "required": runtime["required"],
+        "additionalProperties": False,
+    }
+
+
+def closed(node: dict[str, Any]) -> dict[str, Any]:
+    """A CRD's structural schema as JSON Schema that refuses unknown keys at every level."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-"):
+            continue  # the API server's own keywords; a JSON Schema validator knows none of them
+        if key == "properties":
+            value = {name: closed(sub) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            value = closed(value)
+        out[key] = value
+    if out.get("exclusiveMinimum") is True:  # OpenAPI 3.0's boolean form; draft-07 wants the bound
+        out["exclusiveMinimum"] = out.pop("minimum")
+    if "properties" in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _inline(schema: dict[str, Any]) -> dict[str, Any]:
+    """Pydantic's JSON Schema with every $ref written in place, no titles, and Optional[X] as X."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: dict[str, Any]) -> dict[str, Any]:
+        if "$ref" in node:
+            target = defs[node["$ref"].rsplit("/", 1)[-1]]
+            return walk({**target, **{k: v for k, v in node.items() if k != "$ref"}})
+        if "anyOf" in node and node.get("default", 0) is None:
+            # `X | None = None`: the key may be left out (or set to null, which Helm removes).
+            choices = [c for c in node["anyOf"] if c.get("type") != "null"]
+            rest = {k: v for k, v in node.items() if k not in ("anyOf", "default")}
+            return walk({**choices[0], **rest} if len(choices) == 1 else {"anyOf": choices, **rest})
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key in ("title", "$defs"):
+                continue
+            if key == "properties":
+                value = {name: walk(sub) for name, sub in value.items()}
+            elif key in ("items", "additionalProperties") and isinstance(value, dict):
+                value = walk(value)
+            elif key == "anyOf":
+                value = [walk(choice) for choice in value]
+            out[key] = value
+        return out
+
+    return walk(schema)
+
+
+def render(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, indent=2) + "\n"
+
+
+def write_values_schema(path: Path) -> Path:
+    text = render(values_schema())
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return path
