@@ -41,6 +41,24 @@ def _kubeconfig_file(path: str) -> str:
     return path
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)")
+    return port
+
+
+def _add_metrics_flags(p: argparse.ArgumentParser, component: str) -> None:
+    p.add_argument(
+        "--metrics-port", type=_port, default=0, metavar="PORT",
+        help=f"serve the {component}'s Prometheus metrics on http://ADDR:PORT/metrics; 0: none (default)",
+    )  # fmt: skip
+    p.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDR", help="address the metrics listen on (default 0.0.0.0)")
+
+
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kubeconfig", type=_kubeconfig_file, metavar="FILE", help="kubeconfig (default: in-cluster, else $KUBECONFIG)"
@@ -105,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the webhooks' serving certificate: DIR/tls.crt and DIR/tls.key (a kubernetes.io/tls Secret); "
         "re-read when they change",
     )
+    _add_metrics_flags(p, "operator")
     _add_client_flags(p)
     p.set_defaults(func=_lazy("passthrough.controller.main", "run"))
 
@@ -143,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="only report devices: bind nothing to vfio-pci and serve no resources",
     )
+    _add_metrics_flags(p, "agent")
     _add_client_flags(p)
     p.set_defaults(func=_lazy("passthrough.agent.main", "run"))
 

@@ -103,7 +103,8 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
     assert operator["command"][:3] == ["passthrough", "operator", "--liveness=http://0.0.0.0:8080/healthz"]
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert operator["ports"] == [{"name": "healthz", "containerPort": 8080, "protocol": "TCP"},
-                                 {"name": "webhook", "containerPort": 9443, "protocol": "TCP"}]  # fmt: skip
+                                 {"name": "webhook", "containerPort": 9443, "protocol": "TCP"},
+                                 {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]  # fmt: skip
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and operator["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["serviceAccountName"] == "passthrough-operator"
@@ -336,6 +337,7 @@ async def agent(api, cluster, release, node, tmp_path_factory):
         f"--kubeconfig={kubeconfig}", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}",
         f"--pci-ids={PCI_IDS}", "--no-hotplug", f"--dev-root={host.root / 'dev'}",
         f"--device-plugin-dir={root / 'device-plugins'}", f"--pod-resources-socket={root / 'pod-resources.sock'}",
+        "--metrics-port=0",  # the chart's fixed port may be taken on a shared machine (test_metrics scrapes a free one)
     )  # fmt: skip
     denied_before = await denied_requests(api)
     with log_path.open("ab") as log:
@@ -384,7 +386,7 @@ async def test_the_operator_does_its_work_with_only_its_service_account(api, clu
     values = {**PLATFORM, "kubevirt": {**PLATFORM["kubevirt"], "namespace": kubevirt_ns}}
     config = one(template(helm, release["name"], release["namespace"], values_file(tmp_path / "values.yaml", values)),
                  "PassthroughConfig")  # fmt: skip
-    args = [a for a in command_line(release["objects"], "Deployment")[4:] if not a.startswith("--liveness=")]
+    args = [a for a in command_line(release["objects"], "Deployment", "--metrics-port=0")[4:] if not a.startswith("--liveness=")]
     # The webhook serves on 127.0.0.1 with a certificate made here (its flags follow, and win).
     operator = OperatorProcess(cluster, tmp_path / "operator.log", *args, f"--kubeconfig={release['kubeconfig']['operator']}",
                                webhook=WebhookServing(tmp_path / "webhook-tls"))  # fmt: skip

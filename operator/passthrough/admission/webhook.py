@@ -16,6 +16,7 @@ from typing import Any
 
 import kopf
 
+from passthrough import metrics
 from passthrough.admission import rules
 from passthrough.controller.lifecycle import Device
 
@@ -52,10 +53,11 @@ async def serve(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.admission.managed = None  # the chart's webhook configuration, not Kopf's
 
 
-async def _indexed(memo: kopf.Memo) -> None:
+async def _indexed(memo: kopf.Memo, kind: str) -> None:
     try:
         await asyncio.wait_for(memo.indexed.wait(), INDEX_WAIT)
     except TimeoutError:
+        metrics.ADMISSION_DECISIONS.labels(kind, "unavailable").inc()
         raise kopf.AdmissionError(
             "the passthrough operator is starting and cannot check devices yet; retry in a few seconds", code=503
         ) from None
@@ -74,7 +76,8 @@ def _users(index: kopf.Index, namespace: str, names: Iterable[str]) -> dict[str,
     return {name: list(index.get((namespace, rules.PREFIX + name), ())) for name in names}
 
 
-def _answer(verdict: rules.Verdict, warnings: list[str], userinfo: dict[str, Any]) -> None:
+def _answer(kind: str, verdict: rules.Verdict, warnings: list[str], userinfo: dict[str, Any]) -> None:
+    metrics.ADMISSION_DECISIONS.labels(kind, "allowed" if verdict.allowed else "denied").inc()
     warnings.extend(verdict.warnings)
     if not verdict.allowed:
         log.info("refused for %s: %s", userinfo.get("username", "?"), verdict.refusal)
@@ -87,12 +90,12 @@ async def _judge_vm(
 ) -> None:  # fmt: skip
     if not listed:
         return
-    await _indexed(memo)
+    await _indexed(memo, kind)
     verdict = rules.judge_vm(
         kind, namespace, name, listed, before,
         devices=_devices(devices, namespace, listed), users=_users(vm_references, namespace, listed), exempt=exempt,
     )  # fmt: skip
-    _answer(verdict, warnings, userinfo)
+    _answer(kind, verdict, warnings, userinfo)
 
 
 # Kopf passes every kwarg: namespace, name, memo, warnings, userinfo, and each index by its id
@@ -121,7 +124,7 @@ async def validate_pod(
     requested = rules.pod_device_requests(dict(spec))
     if not requested:
         return
-    await _indexed(memo)
+    await _indexed(memo, "Pod")
     # A pod made by a controller has no name yet, only generateName.
     verdict = rules.judge_pod(namespace, name or meta.get("generateName", ""), requested, _devices(devices, namespace, requested))
-    _answer(verdict, [], userinfo)
+    _answer("Pod", verdict, [], userinfo)

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from passthrough import metrics
 from passthrough.agent.plan import Plan, Served
 from passthrough.deviceplugin.allocation import PluginDevice
 from passthrough.deviceplugin.manager import PluginManager
@@ -70,11 +71,13 @@ class Handover:
                     vfio.bind_group, self.sysfs_root, self.dev_root, group, list(members), self.bind_timeout
                 )
             except BindError as exc:
+                metrics.BIND_FAILURES.labels(exc.reason).inc()
                 for address in members:
                     outcome.failures[address] = exc
                 continue
             outcome.writes += writes
             if writes:  # already on vfio-pci costs nothing and is no news
+                metrics.BINDS.inc()
                 outcome.bound[group] = members
         if plan.release:
             held = await self._held()
@@ -87,9 +90,11 @@ class Handover:
                         vfio.release_group, self.sysfs_root, group, list(members), self.bind_timeout
                     )
                 except BindError as exc:
+                    metrics.GIVE_BACK_FAILURES.labels(exc.reason).inc()
                     for address in members:
                         outcome.release_failures[address] = exc
                     continue
+                metrics.GIVE_BACKS.inc()
                 outcome.released[group] = members
         return outcome
 

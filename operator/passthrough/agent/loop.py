@@ -21,6 +21,7 @@ import aiohttp
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from passthrough import metrics
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.handover import Handover, Outcome
@@ -143,6 +144,7 @@ class Agent:
                     # aiohttp.ClientError: a server that accepted the connection and went away
                     # mid-request (ServerDisconnectedError) is no OSError, and no reason to stop.
                     log.warning("scan failed (%s: %s); retrying in 5s", type(exc).__name__, exc)
+                    metrics.SCAN_FAILURES.inc()
                     # A write whose answer was lost may have landed: the next scan lists first.
                     self._resync = True
                     asyncio.get_running_loop().call_later(5, self._wake.set)
@@ -204,6 +206,10 @@ class Agent:
     # -- one scan ----------------------------------------------------------------------------
 
     async def scan(self) -> ScanResult:
+        with metrics.SCAN_SECONDS.time():
+            return await self._scan()
+
+    async def _scan(self) -> ScanResult:
         self.scans += 1
         result = ScanResult()
         node = await self._node()
@@ -237,6 +243,10 @@ class Agent:
         await asyncio.gather(*jobs)
         self._tell(outcome, names)  # after the reports, so a device seen for the first time has its object
         result.devices = len(found)
+        reported = [d for d in discovery.devices if d.reported]
+        metrics.AGENT_DEVICES.labels("true").set(sum(1 for d in reported if d.eligible))
+        metrics.AGENT_DEVICES.labels("false").set(sum(1 for d in reported if not d.eligible))
+        metrics.AGENT_DEVICES_MISSING.set(result.missing)
         self.writes += result.writes
         if result.writes:
             log.info(
@@ -338,7 +348,8 @@ class Agent:
 
     async def _apply(self, body: dict[str, Any], status: bool) -> dict[str, Any]:
         async with self._limit:
-            written = await self.devices.apply(body, AGENT_MANAGER, status=status)
+            with metrics.write(metrics.AGENT_WRITES, "nodepcidevices/status" if status else "nodepcidevices", "apply"):
+                written = await self.devices.apply(body, AGENT_MANAGER, status=status)
         self.mirror.store(written)
         return written
 
@@ -359,7 +370,8 @@ class Agent:
         if self._node_labels.get(VFIO_LABEL) == value:
             return 0
         body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "labels": {VFIO_LABEL: value}}}
-        await self.core.patch_node(node.name, body, field_manager=AGENT_MANAGER, force=True, _content_type=APPLY)
+        with metrics.write(metrics.AGENT_WRITES, "nodes", "apply"):
+            await self.core.patch_node(node.name, body, field_manager=AGENT_MANAGER, force=True, _content_type=APPLY)
         log.info("labelled Node %s %s=%s", node.name, VFIO_LABEL, value)
         return 1
 

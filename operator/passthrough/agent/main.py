@@ -12,6 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from passthrough import metrics
 from passthrough.agent import uevent
 from passthrough.agent.handover import Handover
 from passthrough.agent.loop import Agent, AgentError
@@ -24,6 +25,7 @@ log = logging.getLogger("passthrough.agent")
 
 async def _main(args: argparse.Namespace, rescan: float) -> int:
     api = await connect(args.kubeconfig)
+    endpoint = None
     try:
         handover = None
         if args.device_plugin:
@@ -43,6 +45,11 @@ async def _main(args: argparse.Namespace, rescan: float) -> int:
             rescan_interval=rescan,
             handover=handover,
         )
+        metrics.AGENT_STATE.plugins = lambda: handover.plugins if handover is not None else None
+        try:
+            endpoint = await metrics.serve(metrics.AGENT, args.metrics_port, args.metrics_addr)
+        except OSError as exc:
+            raise AgentError(f"--metrics-port {args.metrics_port}: {exc}") from None
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, agent.trigger)
         stop = asyncio.Event()
@@ -60,6 +67,8 @@ async def _main(args: argparse.Namespace, rescan: float) -> int:
                 await task  # re-raises AgentError from a failed start
         return 0
     finally:
+        if endpoint is not None:
+            await endpoint.cleanup()
         await api.close()
 
 

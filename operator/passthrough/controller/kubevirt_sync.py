@@ -165,6 +165,8 @@ class SyncPlan:
     problems: list[str] = field(default_factory=list)  # why the values are invalid; [] when valid
     unapplied: dict[str, str] = field(default_factory=dict)  # assigned device -> why KubeVirt lacks its entry
     left_out: dict[str, str] = field(default_factory=dict)  # assigned devices the render leaves out alone (the rest applied)
+    not_permitted: int = 0  # GPUs nodes advertise that the allow-list lacks
+    not_advertised: int = 0  # allow-listed names no node advertises
 
 
 def needs_apply(rendered: Rendered, live: KubeVirtView) -> bool:
@@ -265,6 +267,7 @@ def plan_sync(
 
     pci = rendered.pci_host_devices if rendered else []
     not_advertised, not_permitted = mismatches(pci, advertised)
+    plan.not_permitted, plan.not_advertised = len(not_permitted), len(not_advertised)
     if rendered is not None and not pci:
         conditions["NodesMatchAllowList"] = Cond(
             "False", "NoAllowList", "permittedHostDevices is empty, so KubeVirt checks no device names at all."

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import kopf
 
+from passthrough import metrics
 from passthrough.api.models import NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.durations import DurationError, parse_duration
 from passthrough.k8s import CannotStart, connect, require_crds
@@ -68,12 +69,19 @@ def run(args: argparse.Namespace) -> int:
     memo = kopf.Memo(
         kubeconfig=args.kubeconfig, grace=datetime.timedelta(seconds=grace), workers=args.workers, webhook_server=webhook_server
     )
-    asyncio.run(
-        kopf.operator(
-            clusterwide=True,
-            standalone=True,
-            memo=memo,
-            liveness_endpoint=args.liveness or None,
-        )
-    )
+    metrics.OPERATOR_STATE.reconciler = lambda: memo.get("reconciler")  # made by handlers.startup
+    return asyncio.run(_operate(memo, args))
+
+
+async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
+    try:
+        endpoint = await metrics.serve(metrics.OPERATOR, args.metrics_port, args.metrics_addr)
+    except OSError as exc:
+        print(f"passthrough operator: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        await kopf.operator(clusterwide=True, standalone=True, memo=memo, liveness_endpoint=args.liveness or None)
+    finally:
+        if endpoint is not None:
+            await endpoint.cleanup()
     return 0

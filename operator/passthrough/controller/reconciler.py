@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from passthrough import metrics
 from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.controller import kubevirt_sync, lifecycle
 from passthrough.controller.workqueue import WorkQueue, run_workers
@@ -180,6 +181,7 @@ class Reconciler:
             await asyncio.gather(workers, empty, return_exceptions=True)
 
     def _retry_delay(self, name: Any, exc: BaseException, failures: int) -> float:
+        metrics.RECONCILE_FAILURES.labels("kubevirt" if name == KUBEVIRT else "device").inc()
         delay = min(0.5 * 2 ** (failures - 1), 60.0)
         if isinstance(exc, ApiException):
             log.warning("reconciling %s failed (%s %s); retry %d in %.1fs", name, exc.status, exc.reason, failures, delay)
@@ -191,10 +193,13 @@ class Reconciler:
         return delay
 
     async def reconcile(self, key) -> None:
-        if key == KUBEVIRT:
-            await self.sync_kubevirt()
-            return
-        name = key
+        with metrics.RECONCILE_SECONDS.labels("kubevirt" if key == KUBEVIRT else "device").time():
+            if key == KUBEVIRT:
+                await self.sync_kubevirt()
+            else:
+                await self._reconcile_device(key)
+
+    async def _reconcile_device(self, name: str) -> None:
         world = self.world(name)
         plan = lifecycle.decide(world)
         # Writes to one object keep their order (a finalizer before the delete it guards);
@@ -226,7 +231,8 @@ class Reconciler:
         if isinstance(write, lifecycle.ApplyDevice | lifecycle.ApplyDeviceStatus):
             status = isinstance(write, lifecycle.ApplyDeviceStatus)
             try:
-                obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=status)
+                with metrics.write(metrics.OPERATOR_WRITES, "pcidevices/status" if status else "pcidevices", "apply"):
+                    obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=status)
             except ApiException as exc:
                 # Deleted (404), or deleted and made anew (409, the uid differs): decide again.
                 if exc.status in (404, 409) and (status or write.body["metadata"].get("uid")):
@@ -234,7 +240,9 @@ class Reconciler:
                 raise
             return _expect("device", write.namespace, obj)
         if isinstance(write, lifecycle.DeleteDevice):
-            answer = await self.devices.delete(name, write.namespace, uid=write.uid, resource_version=write.resource_version)
+            with metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete") as counted:
+                answer = await self.devices.delete(name, write.namespace, uid=write.uid, resource_version=write.resource_version)
+                counted.status(answer)
             if answer == 409:
                 return None  # it changed (or was made anew) since the decision: decide again, no waiting
             log.info("deleting PCIDevice %s/%s", write.namespace, name)
@@ -242,14 +250,18 @@ class Reconciler:
         if isinstance(write, lifecycle.ApplyNodeDeviceFinalizer | lifecycle.ApplyNodeDeviceStatus):
             status = isinstance(write, lifecycle.ApplyNodeDeviceStatus)
             try:
-                obj = await self.node_devices.apply(write.body, OPERATOR_MANAGER, status=status)
+                with metrics.write(metrics.OPERATOR_WRITES, "nodepcidevices/status" if status else "nodepcidevices", "apply"):
+                    obj = await self.node_devices.apply(write.body, OPERATOR_MANAGER, status=status)
             except ApiException as exc:
                 if exc.status in (404, 409):  # deleted (and maybe made anew) meanwhile: decide again
                     return ("node-device-gone", "", "") if exc.status == 404 else None
                 raise
             return _expect("node-device", "", obj)
         if isinstance(write, lifecycle.DeleteNodeDevice):
-            if await self.node_devices.delete(name, uid=write.uid, resource_version=write.resource_version) == 409:
+            with metrics.write(metrics.OPERATOR_WRITES, "nodepcidevices", "delete") as counted:
+                answer = await self.node_devices.delete(name, uid=write.uid, resource_version=write.resource_version)
+                counted.status(answer)
+            if answer == 409:
                 return None  # changed since the decision (its node came back?), or made anew: decide again
             log.info("deleted NodePCIDevice %s: gone from its node, or its node gone past the grace period", name)
             return ("node-device-gone", "", "")
@@ -258,6 +270,7 @@ class Reconciler:
     async def sync_kubevirt(self) -> None:
         config = self.config()
         if config is None:
+            metrics.allow_list(valid=False)
             return  # without the platform values, KubeVirt is not ours to manage
         started = time.perf_counter()
         found = _values(self.indices.get(KUBEVIRTS), kubevirt_sync.kubevirt_target(config.spec))
@@ -273,6 +286,7 @@ class Reconciler:
         if plan.problems and plan.problems != self._problems_logged:
             log.warning("the PassthroughConfig is invalid, KubeVirt keeps the last good configuration: %s", "; ".join(plan.problems))
         self._problems_logged = plan.problems
+        metrics.allow_list(not plan.problems, plan.not_permitted, plan.not_advertised, len(plan.left_out))
         # Devices whose allow-list entry came or went, or is missing for another reason now, decide
         # again: their Assigned condition says so.
         for name in set(plan.unapplied) | set(self.unapplied):
@@ -284,14 +298,16 @@ class Reconciler:
         self.unapplied = plan.unapplied
         expectations = []
         if plan.apply is not None:
-            written = await self.kubevirts.apply(plan.apply, OPERATOR_MANAGER)
+            with metrics.write(metrics.OPERATOR_WRITES, "kubevirts", "apply"):  # applies and failures: by code
+                written = await self.kubevirts.apply(plan.apply, OPERATOR_MANAGER)
             self.writes += 1
             log.info("applied permittedHostDevices and feature gates to KubeVirt %s/%s",
                      written["metadata"]["namespace"], written["metadata"]["name"])
             expectations.append(("kubevirt", written["metadata"]["namespace"], written["metadata"]["name"],
                                   written["metadata"]["resourceVersion"]))
         if plan.status is not None:
-            written = await self.configs.apply(plan.status, OPERATOR_MANAGER, status=True)
+            with metrics.write(metrics.OPERATOR_WRITES, "passthroughconfigs/status", "apply"):
+                written = await self.configs.apply(plan.status, OPERATOR_MANAGER, status=True)
             self.writes += 1
             expectations.append(("config", "", CONFIG_NAME, written["metadata"]["resourceVersion"]))
         involved = {"api_version": API_VERSION, "kind": PASSTHROUGH_CONFIG.kind, "name": config.name, "uid": config.uid}

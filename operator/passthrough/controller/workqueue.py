@@ -62,6 +62,19 @@ class WorkQueue:
     def __len__(self) -> int:
         return len(self._dirty) + len(self._processing)
 
+    # For metrics: keys waiting for a worker, being processed, and due later.
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def in_progress(self) -> int:
+        return len(self._processing)
+
+    @property
+    def delayed(self) -> int:
+        return len(self._timers)
+
     def close(self) -> None:
         for timer in self._timers.values():
             timer.cancel()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from passthrough import metrics
 from passthrough.deviceplugin.allocation import VFIO_DIR, PluginDevice
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc
@@ -194,11 +195,13 @@ class PluginManager:
             async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
                 await api_grpc.RegistrationStub(channel).Register(request, timeout=self.register_timeout)
         except grpc.aio.AioRpcError as exc:
+            metrics.REGISTRATION_FAILURES.inc()
             self._failed(name, f"the kubelet refused or did not answer Register ({exc.code().name}: {exc.details()})")
             return
         state = self._state[name]
         state.registered, state.last_error = True, ""
         state.registrations += 1
+        metrics.REGISTRATIONS.inc()
         self._backoff[name] = 0.0
         log.info("registered %s with the kubelet (socket %s, %d devices)", name, plugin.endpoint, len(plugin.devices))
 

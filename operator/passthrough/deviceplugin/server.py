@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from passthrough import metrics
 from passthrough.deviceplugin.allocation import VFIO_DIR, AllocationError, PluginDevice, allocate_response, preferred_allocation
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc
@@ -191,8 +192,10 @@ class DevicePlugin(api_grpc.DevicePluginServicer):
                     )
                 )
         except AllocationError as exc:
+            metrics.ALLOCATIONS.labels(metrics.resource_kind(self.resource_name), "refused").inc()
             log.warning("refused Allocate of %s: %s", self.resource_name, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        metrics.ALLOCATIONS.labels(metrics.resource_kind(self.resource_name), "ok").inc(len(responses))
         for response in responses:
             log.info("allocated %s", ", ".join(f"{k}={v}" for k, v in response.envs.items()))
         return api.AllocateResponse(container_responses=responses)
