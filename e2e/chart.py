@@ -31,12 +31,19 @@ Helm = Callable[..., str]
 
 
 def helm(home: Path) -> Helm:
-    """A runner of the real helm with a throwaway home; returns stdout, fails with stderr."""
+    """A runner of the real helm with a throwaway home; returns stdout, fails with stderr.
+
+    `run(..., refused=True)`: the command must fail; returns all it printed (lint writes its
+    findings to stdout, the verdict to stderr).
+    """
     binary = build.ensure_binaries() / "helm"
     env = {**os.environ, **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
 
-    def run(*args: str) -> str:
+    def run(*args: str, refused: bool = False) -> str:
         result = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=60)
+        if refused:
+            assert result.returncode != 0, f"helm {' '.join(args)} succeeded:\n{result.stdout}"
+            return result.stdout + result.stderr
         assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stderr}"
         return result.stdout
 

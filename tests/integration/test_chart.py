@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -178,6 +179,50 @@ def test_config_create_false_leaves_the_passthrough_config_to_someone_else(helm)
     assert "PassthroughConfig" not in {o["kind"] for o in objects}
 
 
+# -- the values schema: what the templates would silently ignore, helm refuses ------------------
+
+
+def test_the_default_values_and_documented_overrides_pass_lint_strict(helm, tmp_path):
+    helm("lint", "--strict", str(CHART))
+    values = {
+        **PLATFORM,
+        "imagePullSecrets": [{"name": "registry"}],
+        # null drops a default (Helm removes the key before the schema sees it); durations as the CLI reads them.
+        "agent": {"nodeSelector": None, "rescanInterval": 300, "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}]},
+        "operator": {"resources": {"requests": {"cpu": 1, "memory": "256Mi"}}},
+        "webhook": {"certManager": {"enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}},
+        "global": {"imageRegistry": "registry.example.com"},  # what a parent chart passes to its subcharts
+    }
+    helm("lint", "--strict", str(CHART), values_file(tmp_path / "values.yaml", values))
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--set=gpu.replaceDefault=true", "at '/gpu': additional properties 'replaceDefault' not allowed"),
+        ("--set=operator.replicas=2", "at '/operator': additional properties 'replicas' not allowed"),
+        ("--set=agent.devicePlugin.poolResource=false", "at '/agent/devicePlugin': additional properties 'poolResource' not allowed"),
+    ],
+)
+def test_lint_strict_refuses_a_misspelt_key_naming_it(helm, flag, message):
+    out = helm("lint", "--strict", str(CHART), flag, refused=True)
+    assert message in out, out
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"devices": {"notFoundGracePeriodSeconds": "ten"}}, "at '/devices/notFoundGracePeriodSeconds': got string, want integer"),
+        ({"gpu": {"replaceDefaults": "yes"}}, "at '/gpu/replaceDefaults': got string, want boolean"),
+        ({"gpu": {"variant": "sriov"}}, "at '/gpu/variant': value must be one of 'default', 'vgpu'"),
+        ({"operator": {"workers": "16"}}, "at '/operator/workers': got string, want integer"),
+    ],
+)
+def test_lint_strict_refuses_a_wrong_type_naming_the_key(helm, tmp_path, values, message):
+    out = helm("lint", "--strict", str(CHART), values_file(tmp_path / "values.yaml", values), refused=True)
+    assert message in out, out
+
+
 def test_namespace_roles_read_pcidevices_and_the_policies_confine_this_releases_agent(helm):
     objects = template(helm, "p", "infra")
     roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
@@ -234,6 +279,64 @@ def test_the_api_server_accepts_every_rendered_object(cluster, helm, release, tm
         "apply", "--server-side", "--force-conflicts", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(objects)
     ).stdout
     assert out.count("serverside-applied (server dry run)") == len(objects), out
+
+
+def test_helm_install_refuses_a_misspelt_key_and_records_no_release(cluster, helm, release):
+    where = (f"--kubeconfig={cluster.kubeconfig}", f"--namespace={release['namespace']}")
+    out = helm("install", f"typo-{release['name']}", str(CHART), *where, "--set=gpu.replaceDefault=true", refused=True)
+    assert "at '/gpu': additional properties 'replaceDefault' not allowed" in out, out
+    assert helm("list", "--all", "--short", *where).strip() == ""
+
+
+def test_a_config_that_names_no_variant_gets_the_default_one_from_the_api_server(cluster):
+    """`kubectl get ptconfig` shows VARIANT (.spec.gpu.variant) even for `spec: {}`: the CRD
+    defaults each level, spec, gpu, then variant. In a dry run: `cluster` is a singleton."""
+    body = {"apiVersion": "passthrough.io/v1alpha1", "kind": "PassthroughConfig", "metadata": {"name": "cluster"}, "spec": {}}
+    live = cluster.kubectl("get", "ptconfig", "cluster", "-o", "json", check=False)
+    if live.returncode == 0:  # another test's: replace it with ours, in the dry run only
+        body["metadata"]["resourceVersion"] = json.loads(live.stdout)["metadata"]["resourceVersion"]
+    verb = "replace" if live.returncode == 0 else "create"
+    out = cluster.kubectl(verb, "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(body)).stdout
+    assert json.loads(out)["spec"] == {
+        "kubevirt": {"name": "kubevirt", "namespace": "kubevirt"},
+        "gpu": {"variant": "default", "replaceDefaults": False, "permittedHostDevices": {}},
+        "devices": {"notFoundGracePeriodSeconds": 600},
+    }
+
+
+def explained(cluster, field: str, timeout: float = 30) -> str:
+    """The DESCRIPTION of `kubectl explain FIELD`, on one line (the API server publishes a
+    CRD's OpenAPI a moment after it is established)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = cluster.kubectl("explain", field, check=False)
+        if result.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert result.returncode == 0, result.stderr
+    description = result.stdout.split("DESCRIPTION:", 1)[1].split("FIELDS:", 1)[0]
+    return " ".join(description.split())
+
+
+@pytest.mark.parametrize(
+    ("field", "says"),
+    [
+        ("passthroughconfig.spec", "The platform values."),
+        ("passthroughconfig.spec.gpu", "GPU variant and the KubeVirt allow-list"),
+        ("passthroughconfig.spec.gpu.permittedHostDevices", "Allow-list entries besides"),
+        ("nodepcidevice.spec", "which namespace may use it"),
+        ("pcidevice.status", "The assigned device as this namespace sees it"),
+    ],
+)
+def test_kubectl_explain_describes_the_fields_a_new_admin_looks_up(cluster, field, says):
+    assert says in explained(cluster, field)
+
+
+def test_kubectl_explain_names_the_condition_types_of_each_kind(cluster):
+    config = explained(cluster, "passthroughconfig.status.conditions.type")
+    assert all(t in config for t in ("Valid", "Applied", "AssignedDevicesPermitted", "NodesMatchAllowList")), config
+    assert "Assigned (" not in config and "Ready" not in config, config
+    assert "Ready" in explained(cluster, "pcidevice.status.conditions.type")
 
 
 def can_i(cluster, release, component: str, verb: str, resource: str, *flags: str) -> bool:
@@ -397,6 +500,10 @@ async def test_the_operator_does_its_work_with_only_its_service_account(api, clu
         cluster.kubectl("patch", "npci", name, "--type=merge", "-p", json.dumps({"spec": {"assignedNamespace": team}}))
         await support.wait_for(lambda: _status(pcidev, name, team), 20, what=f"PCIDevice {team}/{name}")
         await support.wait_for(lambda: _condition(npci, name, "Assigned", "True"), 20, what="the NodePCIDevice Assigned")
+        # What the tenant sees: READY says whether the device can be used now (it was Ready to be handed out).
+        table = cluster.kubectl("get", "pci", name, "-n", team).stdout.splitlines()
+        assert table[0].split() == ["NAME", "NODE", "ADDRESS", "READY", "ATTACHED", "AGE"]
+        assert table[1].split()[:5] == [name, node.name, GPUS[0], "True", "False"]
         # Events are posted in the background and a failure is only logged at debug level: look.
         await support.wait_for(lambda: _event(api, team, name, "Assigned"), 10, what="the operator's Assigned Event")
 
@@ -414,6 +521,9 @@ async def test_the_operator_does_its_work_with_only_its_service_account(api, clu
 
         await support.wait_for(configured, 20, what=f"permittedHostDevices {wanted}")
         await support.wait_for(lambda: _condition(configs, "cluster", "Applied", "True"), 20, what="config status Applied")
+        table = cluster.kubectl("get", "ptconfig").stdout.splitlines()
+        assert table[0].split() == ["NAME", "VARIANT", "VALID", "APPLIED", "PCI-HOST-DEVICES", "AGE"]
+        assert table[1].split()[:5] == ["cluster", "default", "True", "True", str(len(wanted))]
 
         # A VM that uses the device: finalizers on both objects; dropping the VM drops them.
         vms = client.CustomObjectsApi(api)

@@ -82,13 +82,14 @@ def _convert(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 
 
 # Every object's first three fields, described as Kubernetes describes them for its own kinds.
+# metadata takes nothing but its type: the API server publishes ObjectMeta's schema for it.
 _OBJECT_META: dict[str, dict[str, Any]] = {
     "apiVersion": {
         "type": "string",
         "description": "The versioned schema of this representation of an object: passthrough.io/v1alpha1.",
     },
     "kind": {"type": "string", "description": "The REST resource this object represents."},
-    "metadata": {"type": "object", "description": "Standard object's metadata."},
+    "metadata": {"type": "object"},
 }
 
 
