@@ -91,7 +91,9 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
          "ClusterRole", "ClusterRole", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
          "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding",
          # The admission webhook, served by the operator.
-         "ValidatingWebhookConfiguration", "Service", "Secret"]
+         "ValidatingWebhookConfiguration", "Service", "Secret",
+         # Metrics: the operator's and the agents' Services, and the Grafana dashboard.
+         "Service", "Service", "ConfigMap"]
     )
     config = one(objects, "PassthroughConfig")
     assert config["metadata"]["name"] == "cluster"
