@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import types
 
 import kopf
 import pytest
@@ -29,12 +30,17 @@ def indexed_memo() -> kopf.Memo:
 
 
 def kwargs(devices=(), vms=None, memo=None, name="vm1", **extra):
-    # Indexes as Kopf hands them over: key -> a store of values (several for a device being reassigned).
+    # Indexes as Kopf and the informer hold them: key -> a store of values (several for a device
+    # being reassigned). The PCIDevices are the informer's, in memo; the VM references Kopf's.
     index: dict[str, list[Device]] = {}
     for d in devices:
         index.setdefault(d.name, []).append(d)
+    memo = memo or indexed_memo()
+    listed = asyncio.Event()
+    listed.set()
+    memo.devices = types.SimpleNamespace(indexes={rec.DEVICES: index}, synced=listed)
     return {
-        "namespace": NS, "name": name, "memo": memo or indexed_memo(), "devices": index,
+        "namespace": NS, "name": name, "memo": memo,
         "vm_references": {(NS, f"passthrough.io/{d}"): list(names) for d, names in (vms or {}).items()},
         "warnings": [], "userinfo": {"username": "system:serviceaccount:team-a:tenant"}, **extra,
     }  # fmt: skip

@@ -4,14 +4,14 @@ Imported only when the operator runs with `--webhook-port` (Kopf refuses to star
 admission handlers and no server). The chart owns the ValidatingWebhookConfiguration, so
 `settings.admission.managed` stays None; its `matchConditions` send only objects that use a
 `passthrough.io/` device, and each webhook's path is the id of its handler here.
-Everything is read from the operator's Kopf indexes: an admission costs no API call.
+Everything is read from the operator's indexes (Kopf's and its informer's): an admission costs no API call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -19,6 +19,7 @@ import kopf
 from passthrough import metrics
 from passthrough.admission import rules
 from passthrough.controller.lifecycle import Device
+from passthrough.controller.reconciler import DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,22 @@ async def serve(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.admission.managed = None  # the chart's webhook configuration, not Kopf's
 
 
-async def _indexed(memo: kopf.Memo, kind: str) -> None:
+async def _indexed(memo: kopf.Memo, kind: str) -> Mapping[str, tuple[Device, ...]]:
+    """The PCIDevices by name, once listed: the operator's own informer keeps them
+    (controller/informer.py), not Kopf, so Kopf cannot hand that index over."""
     try:
-        await asyncio.wait_for(memo.indexed.wait(), INDEX_WAIT)
+        async with asyncio.timeout(INDEX_WAIT):
+            await memo.indexed.wait()
+            await memo.devices.synced.wait()
     except TimeoutError:
         metrics.ADMISSION_DECISIONS.labels(kind, "unavailable").inc()
         raise kopf.AdmissionError(
             "the passthrough operator is starting and cannot check devices yet; retry in a few seconds", code=503
         ) from None
+    return memo.devices.indexes[DEVICES]
 
 
-def _devices(index: kopf.Index, namespace: str, names: Iterable[str]) -> dict[str, Device]:
+def _devices(index: Mapping[str, tuple[Device, ...]], namespace: str, names: Iterable[str]) -> dict[str, Device]:
     found = {}
     for name in names:
         for device in index.get(name, ()):
@@ -86,11 +92,11 @@ def _answer(kind: str, verdict: rules.Verdict, warnings: list[str], userinfo: di
 
 async def _judge_vm(
     kind: str, listed: list[str], before: list[str] | None, exempt: list[str], *, namespace: str, name: str,
-    memo: kopf.Memo, devices: kopf.Index, vm_references: kopf.Index, warnings: list[str], userinfo: dict[str, Any], **_: Any,
+    memo: kopf.Memo, vm_references: kopf.Index, warnings: list[str], userinfo: dict[str, Any], **_: Any,
 ) -> None:  # fmt: skip
     if not listed:
         return
-    await _indexed(memo, kind)
+    devices = await _indexed(memo, kind)
     verdict = rules.judge_vm(
         kind, namespace, name, listed, before,
         devices=_devices(devices, namespace, listed), users=_users(vm_references, namespace, listed), exempt=exempt,
@@ -98,8 +104,9 @@ async def _judge_vm(
     _answer(kind, verdict, warnings, userinfo)
 
 
-# Kopf passes every kwarg: namespace, name, memo, warnings, userinfo, and each index by its id
-# (controller/handlers.py: `devices` is rec.DEVICES, `vm_references` rec.VM_REFERENCES).
+# Kopf passes every kwarg: namespace, name, memo, warnings, userinfo, and each of its indexes by
+# its id (controller/handlers.py: `vm_references` is rec.VM_REFERENCES); the PCIDevices come
+# from the informer in memo.
 
 
 @kopf.on.validate("kubevirt.io", "v1", "virtualmachines", id=VM, operations=["CREATE", "UPDATE"])
@@ -118,13 +125,12 @@ async def validate_vmi(spec: kopf.Spec, meta: kopf.Meta, old: kopf.Body | None, 
 
 @kopf.on.validate("", "v1", "pods", id=POD, operations=["CREATE"])
 async def validate_pod(
-    spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, memo: kopf.Memo, devices: kopf.Index,
-    userinfo: dict[str, Any], **_: Any,
+    spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, memo: kopf.Memo, userinfo: dict[str, Any], **_: Any,
 ) -> None:  # fmt: skip
     requested = rules.pod_device_requests(dict(spec))
     if not requested:
         return
-    await _indexed(memo, "Pod")
+    devices = await _indexed(memo, "Pod")
     # A pod made by a controller has no name yet, only generateName.
     verdict = rules.judge_pod(namespace, name or meta.get("generateName", ""), requested, _devices(devices, namespace, requested))
     _answer("Pod", verdict, [], userinfo)
