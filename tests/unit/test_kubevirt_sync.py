@@ -198,3 +198,18 @@ def test_a_left_out_device_unassigned_clears_the_warning():
     assert conditions_of(fixed)["AssignedDevicesPermitted"]["status"] == "True"
     assert status_after(fixed)["leftOut"] == [] and status_after(fixed)["leftOutCount"] == 0
     assert [t for t, _, _ in fixed.events] == []
+
+
+def test_a_misspelt_name_of_the_values_is_not_buried_under_the_unused_default_models():
+    from passthrough.kubevirt.allowlist import default_table
+
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    spec = {"gpu": {"permittedHostDevices": {"pciHostDevices": [
+        {"pciVendorSelector": "10DE:2BB5", "resourceName": "nvidia.com/RTX_PRO_6000_TYPO"}]}}}
+    a10 = [Advertised("gpu-1", "0000:3b:00.0", "10de", "2236", "nvidia.com/GA102GL_A10")]
+    status = status_after(plan_sync(config(spec), live, [], a10, None, NOW))
+    assert status["notAdvertised"] == [{"resourceName": "nvidia.com/RTX_PRO_6000_TYPO", "pciVendorSelector": "10DE:2BB5"}]
+    assert status["notAdvertisedCount"] == 1
+    # Every default model but the A10 is advertised by no node: counted, not listed.
+    pooled = [d for d in default_table() if d.get("externalResourceProvider", True)]
+    assert status["unusedDefaultModels"] == len(pooled) - 1 > 10

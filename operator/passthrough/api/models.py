@@ -331,9 +331,16 @@ class PassthroughConfigStatus(APIModel):
         default_factory=list, description="Values that are valid but probably not meant (an empty allow-list, ...)."
     )
     notAdvertised: list[AllowListMismatch] = Field(
-        default_factory=list, description="Allow-listed resource names no node advertises (the first 50)."
+        default_factory=list,
+        description="Resource names the values allow-list that no node advertises (the first 50): a misspelt "
+        "name, or a card no node has. The default table's models are counted in unusedDefaultModels instead.",
     )
-    notAdvertisedCount: int = Field(default=0, description="How many allow-listed names no node advertises.")
+    notAdvertisedCount: int = Field(default=0, description="How many names of the values no node advertises.")
+    unusedDefaultModels: int = Field(
+        default=0,
+        description="How many models of the default NVIDIA table no node advertises: expected on a cluster with "
+        "few models, and listed nowhere so that they do not bury notAdvertised.",
+    )
     notPermitted: list[AllowListMismatch] = Field(
         default_factory=list, description="GPUs nodes advertise that the allow-list lacks (the first 50)."
     )

@@ -20,7 +20,7 @@ from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.k8s import OPERATOR_MANAGER
 from passthrough.pci.naming import exclusive_resource_name
 from passthrough.kubevirt.allowlist import AssignedDevice
-from passthrough.kubevirt.mismatches import Advertised, Mismatch, mismatches
+from passthrough.kubevirt.mismatches import Advertised, Mismatch, mismatches, split_default_models
 from passthrough.kubevirt.render import Rendered, render
 from passthrough.kubevirt.values import ValuesError, parse_values
 
@@ -267,6 +267,7 @@ def plan_sync(
 
     pci = rendered.pci_host_devices if rendered else []
     not_advertised, not_permitted = mismatches(pci, advertised)
+    not_advertised, unused_default_models = split_default_models(not_advertised)
     plan.not_permitted, plan.not_advertised = len(not_permitted), len(not_advertised)
     if rendered is not None and not pci:
         conditions["NodesMatchAllowList"] = Cond(
@@ -296,6 +297,7 @@ def plan_sync(
         "warnings": warnings,
         "notAdvertised": _listed(not_advertised),
         "notAdvertisedCount": len(not_advertised),
+        "unusedDefaultModels": unused_default_models,
         "notPermitted": _listed(not_permitted),
         "notPermittedCount": len(not_permitted),
         "leftOut": [{"name": name, "reason": why} for name, why in list(plan.left_out.items())[:MAX_LISTED]],

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from passthrough.kubevirt.allowlist import default_table
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 
 
@@ -85,3 +86,16 @@ def mismatches(
         expected = by_selector.get(selector, "")
         not_permitted.add(Mismatch(a.resource_name, selector if expected else "", a.node, a.pci_address, expected))
     return sorted(not_advertised), sorted(not_permitted)
+
+
+def split_default_models(not_advertised: list[Mismatch]) -> tuple[list[Mismatch], int]:
+    """(the names the admin's own values allow-list and no node advertises, how many of the
+    default table's models no node advertises).
+
+    The default table lists every NVIDIA datacenter GPU: on a cluster with two models, the
+    other sixteen are not advertised by design, and would bury the one name in the values that
+    is misspelt. Those are counted, not listed.
+    """
+    defaults = {(d["resourceName"], d["pciVendorSelector"].upper()) for d in default_table()}
+    own = [m for m in not_advertised if (m.resource_name, m.selector) not in defaults]
+    return own, len(not_advertised) - len(own)
