@@ -349,6 +349,9 @@ class EventRecorder:
         self._idle.set()
         self._failures: set[str] = set()
         self.dropped = 0
+        # Identical Events (same object, type, reason and message) count up on one Event, as
+        # client-go's correlator does: (namespace, name, count) of the last one posted per key.
+        self._posted: collections.OrderedDict[tuple, tuple[str, str, int]] = collections.OrderedDict()
 
     def post(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
         if len(self._pending) >= self.backlog:
@@ -389,8 +392,8 @@ class EventRecorder:
     async def _post(self, involved: dict[str, Any], type_: str, reason: str, message: str, when: datetime.datetime) -> None:
         namespace = involved.get("namespace") or "default"
         stamp = when.isoformat()  # when it happened, not when its turn came
-        # A plain body, and the answer left unread: the client's models would cost more CPU
-        # than the request itself (a date parser per timestamp).
+        # A plain body, and the answer read as plain JSON (for its name): the client's models
+        # would cost more CPU than the request itself (a date parser per timestamp).
         event = {
             "apiVersion": "v1",
             "kind": "Event",
@@ -405,13 +408,18 @@ class EventRecorder:
             "lastTimestamp": stamp,
             "count": 1,
         }
+        key = (namespace, *(involved.get(k, "") for k in ("kind", "name", "uid")), type_, reason, message[:1024])
         try:
+            if await self._count_up(key, stamp):
+                return
             response = await self.core.create_namespaced_event(namespace, event, _request_timeout=30, _preload_content=False)
             try:
                 if not 200 <= response.status < 300:
                     raise ApiException(status=response.status, reason=response.reason)
+                created = json.loads(await response.read())
             finally:
                 response.release()
+            self._remember(key, (namespace, created["metadata"]["name"], 1))
         except Exception as exc:  # Events are best effort: losing one must not stop a reconcile
             # ...but a lasting cause (RBAC, a missing namespace) is worth one warning.
             cause = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else type(exc).__name__
@@ -419,6 +427,35 @@ class EventRecorder:
                 self._failures.add(cause)
                 log.warning("posting Events fails (%s), e.g. %s for %s; further failures of this kind are not logged",
                             cause, reason, involved.get("name"))
+
+    async def _count_up(self, key: tuple, stamp: str) -> bool:
+        """The same Event posted before: its count and lastTimestamp move instead (False when it
+        was not, or has expired since: the API server keeps Events an hour)."""
+        seen = self._posted.get(key)
+        if seen is None:
+            return False
+        namespace, name, count = seen
+        patch = {"count": count + 1, "lastTimestamp": stamp}
+        response = await self.core.patch_namespaced_event(
+            name, namespace, patch, _content_type="application/merge-patch+json", _request_timeout=30, _preload_content=False
+        )
+        try:
+            if not 200 <= response.status < 300:
+                # Gone (expired), or not ours to patch (RBAC of an older chart): a new one.
+                self._posted.pop(key, None)
+                return False
+        finally:
+            response.release()
+        self._remember(key, (namespace, name, count + 1))
+        return True
+
+    def _remember(self, key: tuple, posted: tuple[str, str, int]) -> None:
+        self._posted[key] = posted
+        self._posted.move_to_end(key)
+        while len(self._posted) > self.remembered:
+            self._posted.popitem(last=False)
+
+    remembered = 4096  # Events whose repeats are counted up (the least recently posted forgotten)
 
     async def drain(self) -> None:
         """Wait until every Event posted so far has been sent (or has failed)."""

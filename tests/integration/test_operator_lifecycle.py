@@ -304,6 +304,10 @@ async def test_transitions_are_told_as_events(api, kinds, gpu_device, namespace)
     admin, tenant = await support.wait_for(events, what="events")
     assert any(e.reason == "Assigned" and e.involved_object.kind == "NodePCIDevice" for e in admin)
     assert any(e.reason == "Assigned" and e.involved_object.kind == "PCIDevice" for e in tenant)
+    # The first Event of the new PCIDevice names its uid, which `kubectl describe pci` selects by.
+    uid = (await kinds[1].get(name, namespace))["metadata"]["uid"]
+    described = await core.list_namespaced_event(namespace, field_selector=f"involvedObject.uid={uid}")
+    assert any(e.reason == "Assigned" for e in described.items), [(e.reason, e.involved_object.uid) for e in tenant]
 
 
 async def test_racing_assignments_end_in_the_namespace_written_last(api, kinds, gpu_device, namespace):

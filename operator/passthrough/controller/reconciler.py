@@ -209,10 +209,12 @@ class Reconciler:
             namespace = getattr(write, "namespace", None)
             sequences.setdefault(("device", namespace) if namespace is not None else ("node-device", ""), []).append(write)
 
+        made: dict[str, str] = {}  # namespace -> uid of a PCIDevice these writes made or changed
+
         async def carry_out(writes: list[Any]) -> list[tuple[str, str, str]]:
             done = []
             for write in writes:
-                expectation = await self._execute(name, write)
+                expectation = await self._execute(name, write, made)
                 self.writes += 1
                 if expectation is not None:
                     done.append(expectation)
@@ -220,14 +222,15 @@ class Reconciler:
 
         expectations = [e for done in await asyncio.gather(*(carry_out(w) for w in sequences.values())) for e in done]
         for event in plan.events:
-            self._post(name, world, event)
+            self._post(name, world, event, made)
         if plan.requeue_after is not None:
             self.queue.add_after(name, plan.requeue_after)
         if expectations:
             await self._wait_until_seen(name, expectations)
 
-    async def _execute(self, name: str, write: Any):
-        """One write; returns what the indexes must show before the name is decided again."""
+    async def _execute(self, name: str, write: Any, made: dict[str, str] | None = None):
+        """One write; returns what the indexes must show before the name is decided again.
+        `made` gets the uid of each PCIDevice written, by namespace."""
         if isinstance(write, lifecycle.ApplyDevice | lifecycle.ApplyDeviceStatus):
             status = isinstance(write, lifecycle.ApplyDeviceStatus)
             try:
@@ -238,6 +241,8 @@ class Reconciler:
                 if exc.status in (404, 409) and (status or write.body["metadata"].get("uid")):
                     return ("device-gone", write.namespace, "") if exc.status == 404 else None
                 raise
+            if made is not None and obj.get("metadata", {}).get("uid"):
+                made[write.namespace] = obj["metadata"]["uid"]
             return _expect("device", write.namespace, obj)
         if isinstance(write, lifecycle.DeleteDevice):
             with metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete") as counted:
@@ -357,13 +362,16 @@ class Reconciler:
                     if not waiting and self._waiters.get(key) is waiting:
                         del self._waiters[key]
 
-    def _post(self, name: str, world: lifecycle.World, event: lifecycle.Event) -> None:
+    def _post(self, name: str, world: lifecycle.World, event: lifecycle.Event, made: Mapping[str, str] | None = None) -> None:
         if event.kind == NODE_PCI_DEVICE.kind:
             uid = world.node_device.uid if world.node_device else ""
             involved = {"api_version": API_VERSION, "kind": event.kind, "name": name, "uid": uid}
         else:
+            # A PCIDevice this reconcile made has its uid only in the write's answer: without
+            # it, `kubectl describe pci` would not show the Event that says it was made.
             devices = [d for d in world.devices if d.namespace == event.namespace]
             involved = {"api_version": API_VERSION, "kind": event.kind, "name": name, "namespace": event.namespace}
-            if devices:
-                involved["uid"] = devices[0].uid
+            uid = (made or {}).get(event.namespace) or (devices[0].uid if devices else "")
+            if uid:
+                involved["uid"] = uid
         self.events.post(involved, event.type, event.reason, event.message)
