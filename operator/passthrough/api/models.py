@@ -295,7 +295,9 @@ class PassthroughConfigSpec(APIModel):
 
     kubevirt: KubeVirtTarget = _defaulted(KubeVirtTarget, "The KubeVirt CR to configure, and extra feature gates.")
     gpu: GPUValues = _defaulted(GPUValues, "GPU variant and the KubeVirt allow-list (permittedHostDevices).")
-    devices: DeviceSettings = _defaulted(DeviceSettings, "How assigned devices that go missing are treated.")
+    # Not defaulted in the CRD: without a `devices` section, the operator's --not-found-grace
+    # applies (600 s unless set); one the API server filled in would always override it.
+    devices: DeviceSettings = Field(default_factory=DeviceSettings, description="How assigned devices that go missing are treated.")
 
 
 class AllowListMismatch(APIModel):
