@@ -494,6 +494,18 @@ def test_patch_holds_only_the_fields_this_operator_owns():
     assert result.patch["spec"]["configuration"]["permittedHostDevices"] == {"pciHostDevices": result.pci_host_devices}
 
 
+
+def test_allow_list_entries_reach_the_patch_unchanged_as_copies():
+    data = values(pci=[pci("1af4:1000", "example.com/on")], mdev=[mdev("GRID T4-16Q", "nvidia.com/GRID_T4-16Q", False)])
+    result = rendered(data)
+    permitted = result.patch["spec"]["configuration"]["permittedHostDevices"]
+    assert permitted == {"pciHostDevices": result.pci_host_devices, "mediatedDevices": result.mediated_devices}
+    assert list(permitted["pciHostDevices"][-1]) == ["pciVendorSelector", "resourceName", "externalResourceProvider"]
+    permitted["pciHostDevices"][-1]["resourceName"] = "example.com/changed"
+    assert result.pci_host_devices[-1]["resourceName"] == "example.com/on"
+    package = cozystack_package(result)["spec"]["components"]["kubevirt"]["values"]
+    assert package["permittedHostDevices"]["pciHostDevices"][-1]["resourceName"] == "example.com/on"
+
 def _conforms(value, schema, path="$"):
     kind = schema.get("type")
     types = {"object": dict, "array": list, "string": str, "boolean": bool}
