@@ -84,6 +84,9 @@ def main() -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, stop)
+    # Ctrl-C stops it even when started from a shell that ignores SIGINT for its background
+    # jobs (Python then installs no KeyboardInterrupt handler of its own).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         _say("starting the control plane ...")
         cluster.start(before_controllers=prepare)

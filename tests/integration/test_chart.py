@@ -302,7 +302,7 @@ def test_a_config_that_names_no_variant_gets_the_default_one_from_the_api_server
     assert json.loads(out)["spec"] == {
         "kubevirt": {"name": "kubevirt", "namespace": "kubevirt"},
         "gpu": {"variant": "default", "replaceDefaults": False, "permittedHostDevices": {}},
-        "devices": {"notFoundGracePeriodSeconds": 600},
+        # No `devices`: without one, the operator's --not-found-grace applies.
     }
 
 

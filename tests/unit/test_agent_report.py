@@ -53,6 +53,18 @@ def test_a_missing_device_keeps_its_attributes_and_says_where_it_was():
     assert gone["attributes"] == live["status"]["attributes"]
 
 
+def test_a_device_gone_before_its_first_status_landed_is_marked_with_what_the_agent_reported():
+    # The object was made, the answer to its status write lost (a server hanging up), then the
+    # device went: the API server refuses a status without attributes, for ever.
+    device = gpu("0000:3b:00.0")
+    name = report.object_name(device, NODE.name)
+    bare = {"metadata": {"name": name, "resourceVersion": "5"}}
+    known = report.present_status(device, name, NODE.name, "")["attributes"]
+    gone = report.missing_status(bare, NODE.name, known)
+    assert gone["attributes"]["pciAddress"] == "0000:3b:00.0" and gone["conditions"][0]["reason"] == "NotFound"
+    assert report.missing_status(bare, NODE.name) is None  # nothing known (a restarted agent): nothing to write
+
+
 def test_transition_time_moves_only_when_the_status_flips():
     device = gpu("0000:3b:00.0")
     name = report.object_name(device, NODE.name)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubernetes_asyncio import client, watch
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough import metrics
@@ -91,6 +91,7 @@ class Agent:
         self.core = client.CoreV1Api(api)
         self._wake = asyncio.Event()
         self._resync = False  # list the objects again before the next scan (set after trouble)
+        self._attributes: dict[str, dict[str, Any]] = {}  # object name -> attributes last reported
         self._limit = asyncio.Semaphore(concurrency)
         self._logged: set[str] = set()
         self._assignments: dict[str, str] = {}
@@ -177,19 +178,34 @@ class Agent:
                     return
 
     async def _watch_node(self) -> None:
-        """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets)."""
+        """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets).
+
+        Read as plain JSON lines: the client's `Watch` builds a second API client (a TLS context
+        and a connection pool) for every stream and a V1Node model for every event, which was a
+        third of an agent's CPU at start.
+        """
         backoff = 1.0
         while True:
             try:
-                async with watch.Watch().stream(
-                    self.core.list_node, field_selector=f"metadata.name={self.node_name}", timeout_seconds=300,
-                    _request_timeout=watch_request_timeout(300),
-                ) as stream:
-                    async for event in stream:
-                        labels = (event["raw_object"].get("metadata") or {}).get("labels") or {}
-                        if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
+                response = await self.core.list_node(
+                    field_selector=f"metadata.name={self.node_name}", watch=True, timeout_seconds=300,
+                    _request_timeout=watch_request_timeout(300), _preload_content=False,
+                )
+                try:
+                    if response.status != 200:
+                        raise ApiException(status=response.status, reason=response.reason)
+                    async for line in response.content:
+                        if not line.strip():
+                            continue
+                        event = json.loads(line)
+                        if event.get("type") == "ERROR":
+                            raise ApiException(status=(event.get("object") or {}).get("code"), reason="watch error")
+                        labels = ((event.get("object") or {}).get("metadata") or {}).get("labels") or {}
+                        if event.get("type") != "BOOKMARK" and node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
                             self._node_labels = labels
                             self.trigger()
+                finally:
+                    response.release()
                 backoff = 1.0
             except asyncio.CancelledError:
                 raise
@@ -317,6 +333,7 @@ class Agent:
         live = self.mirror.objects.get(name)
         assigned = ((live or {}).get("spec") or {}).get("assignedNamespace", "")
         desired = report.present_status(device, name, self.node_name, assigned, failure)
+        self._attributes[name] = desired["attributes"]  # for a NotFound write, should this status never land
         if not device.eligible:
             self._log_once(f"{name}:{device.reason}", "%s (%s) is not eligible: %s", device.address, name, device.reason)
         try:
@@ -333,7 +350,12 @@ class Agent:
 
     async def _report_missing(self, name: str, live: dict[str, Any], result: ScanResult) -> None:
         result.missing += 1
-        desired = report.missing_status(live, self.node_name)
+        desired = report.missing_status(live, self.node_name, self._attributes.get(name))
+        if desired is None:
+            self._log_once(f"{name}:no-status", "%s is gone from %s before its first status was written; nothing is known "
+                           "to report about it (it is not assigned to anyone yet, unless an admin did so meanwhile)",
+                           name, self.node_name)  # fmt: skip
+            return
         if not report.changed(desired, live):
             return
         try:
@@ -354,16 +376,22 @@ class Agent:
         return written
 
     async def _node(self) -> report.Node | None:
+        # Plain JSON, not the client's V1Node model: a real Node's status (its images, its
+        # conditions) would cost more CPU to build than the request itself, at every scan.
+        response = await self.core.read_node(self.node_name, _preload_content=False)
         try:
-            node = await self.core.read_node(self.node_name)
-        except ApiException as exc:
-            if exc.status == 404:
-                self._log_once("node-missing", "Node %s does not exist; not reporting until it does", self.node_name)
-                return None
-            raise
+            body = await response.read()
+        finally:
+            response.release()
+        if response.status == 404:
+            self._log_once("node-missing", "Node %s does not exist; not reporting until it does", self.node_name)
+            return None
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=response.reason)
         self._logged.discard("node-missing")
-        self._node_labels = node.metadata.labels or {}
-        return report.Node(name=self.node_name, uid=node.metadata.uid)
+        metadata = json.loads(body)["metadata"]
+        self._node_labels = metadata.get("labels") or {}
+        return report.Node(name=self.node_name, uid=metadata["uid"])
 
     async def _label_node(self, node: report.Node, discovery: Discovery) -> int:
         value = "true" if discovery.node.iommu_enabled and discovery.node.vfio_available else "false"

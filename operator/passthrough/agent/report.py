@@ -100,12 +100,20 @@ def present_status(
     }
 
 
-def missing_status(live: dict[str, Any], node: str) -> dict[str, Any]:
-    """A device the node no longer has: keep what was known, say it is gone."""
-    previous = live.get("status", {})
-    address = previous.get("attributes", {}).get("pciAddress", "?")
+def missing_status(live: dict[str, Any], node: str, known: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """A device the node no longer has: keep what was known, say it is gone.
+
+    `known`: the attributes this agent reported for it, for an object whose status never
+    landed (the answer to its first status write lost); None when nothing is known, as the
+    API server refuses a status without them.
+    """
+    previous = live.get("status") or {}
+    attributes = previous.get("attributes") or known
+    if not attributes:
+        return None
+    address = attributes.get("pciAddress", "?")
     return {
-        "attributes": previous.get("attributes", {}),
+        "attributes": attributes,
         "resourceName": previous.get("resourceName", ""),
         "mode": previous.get("mode", ""),
         "eligible": False,
