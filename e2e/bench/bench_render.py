@@ -9,6 +9,7 @@ each step is timed over repeated runs and reported as p50 / p99 in milliseconds.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ def main() -> None:
         "render + YAML dump (CLI)": lambda: dump(render(spec, assigned).patch, "yaml"),
         "mismatches": lambda: mismatches(rendered.pci_host_devices, advertised),
     }
+    print(f"machine: {len(os.sched_getaffinity(0))} CPUs")
     print(f"pciHostDevices: {len(rendered.pci_host_devices)} rendered "
           f"({args.entries} from values, {args.assigned} assigned, the rest the default table); {args.runs} runs")
     print(f"{'step':<28}{'p50 ms':>10}{'p99 ms':>10}")
