@@ -1,33 +1,34 @@
-"""Benchmark of the node agent: discovery, and a fleet of agents against a real control plane.
+"""Benchmark of one node agent: discovery, one agent process's memory and idle CPU, and hotplug latency.
 
-    .venv/bin/python e2e/bench/bench_agent.py [--nodes 100] [--devices-per-node 8] [--discovery-devices 512]
+    .venv/bin/python e2e/bench/bench_agent.py [--gpus 8] [--idle 310] [--hotplugs 40] [--discovery-devices 512]
 
-What each figure means:
+A fleet of agents (1,000 nodes) is `bench_fleet.py`. What each figure means:
 - discovery: `discover()` over a fixture tree of --discovery-devices PCI functions (GPUs, NICs,
   NVMe drives, root ports), p50 / p99 over --runs; pci.ids load: `PciIds.load` of the edition.
-- first report: --nodes agents (one Agent, one API client and one fixture tree of
-  --devices-per-node GPUs per node, all in this process and event loop) start together; the
-  time until listing NodePCIDevices through the API shows every device with its status, and
-  the writes the API server counted for it (nodepcidevices and nodes).
-- no-op rescan: every agent rescans unchanged hardware (SIGHUP's path, `trigger()`); the
-  writes the API server counted per round across all nodes (0 when the diff works) and the
-  time from the trigger to the last agent's scan done, p50 / p99 over --rounds.
-- restart: all agents stopped and replaced by new Agent objects (empty caches, as after a
-  pod restart) running until their first scan is done; writes (0 when the agent reads what
-  is there before writing) and time.
-- CPU: seconds spent by this process (every agent), the API server and etcd over each of
-  the three; with all agents in one Python process the agents' side is the bottleneck on a
-  small machine, so the times are an upper bound on what separate agent pods would see.
-- peak RSS of this process, which holds every agent.
+- one agent: `passthrough agent` as its own process over a fixture tree of --gpus GPUs (on
+  vfio-pci), with its default flags (rescan every 5 minutes), against a real control plane:
+  the time from exec to its NodePCIDevices listed with their status; its RSS 5 s later (and
+  at the end); its CPU seconds over --idle seconds in which nothing changes (310 s by default:
+  one periodic rescan and one restart of each 5-minute watch fall inside), extrapolated to an
+  hour. Two side by side: reporting only (--no-device-plugin), and with its device plugins
+  serving the GPU pool (no kubelet here, so they retry registration with backoff, as on a
+  node whose kubelet is down).
+- hotplug to visible: an Agent in this process with the hotplug listener on one end of a
+  socket pair; each trial adds a GPU and its audio function to the tree and writes their
+  `add` uevents, in the kernel's framing, to the other end (never the host's netlink socket
+  or /sys); the time until a watch sees the GPU's NodePCIDevice with its status. The listener
+  waits for 0.5 s without events before it wakes a scan (a card's functions and their driver
+  binds arrive as a burst), so that much of each figure is by design.
 
-Nothing is asserted: a write where 0 is expected is printed, with the API server's breakdown.
+Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import resource
+import os
+import socket
 import sys
 import tempfile
 import time
@@ -37,10 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psutil  # noqa: E402
 
-from e2e import cluster, fakesysfs, support  # noqa: E402
-from passthrough.agent.loop import Agent, ScanResult  # noqa: E402
+from e2e import cluster, fakesysfs, processes, support  # noqa: E402
+from passthrough.agent import uevent  # noqa: E402
+from passthrough.agent.loop import Agent  # noqa: E402
 from passthrough.k8s import NODE_LABEL, Custom, connect  # noqa: E402
 from passthrough.pci.discovery import discover  # noqa: E402
+from passthrough.pci.naming import node_pci_device_name  # noqa: E402
 from passthrough.pci.pciids import PciIds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,168 +80,140 @@ def bench_discovery(root: Path, devices: int, runs: int, pci_ids_path: Path) -> 
           f"({len(found.devices)} functions, {reported} reported)")
 
 
-def record_scans(agent: Agent) -> list[ScanResult]:
-    """The results of the scans the agent's own loop finishes (`Agent.scans` counts scans begun)."""
-    results: list[ScanResult] = []
-    scan = agent.scan
+class AgentRun:
+    """`passthrough agent` as its own process (as a DaemonSet pod runs it, default rescan interval) over a tree of GPUs."""
 
-    async def recorded() -> ScanResult:
-        result = await scan()
-        results.append(result)
-        return result
+    def __init__(self, local: cluster.LocalCluster, root: Path, name: str, gpus: int, pci_ids: Path, *args: str) -> None:
+        self.name, self.gpus = name, gpus
+        self.host = gpu_host(root / name, gpus)
+        self.process = processes.AgentProcess(local, root / f"{name}.log", name, self.host, pci_ids, *args)
 
-    agent.scan = recorded
-    return results
+    async def start(self, api) -> float:
+        """Seconds from exec to its NodePCIDevices listed with their status."""
+        await support.ensure_node(api, self.name)
+        kind = Custom(api, "nodepcidevices")
+        started = time.monotonic()
+        self.process.start()
 
+        async def reported() -> bool:
+            if not self.process.alive():
+                raise AssertionError(f"agent exited:\n{self.process.output()[-3000:]}")
+            items = (await kind.list(f"{NODE_LABEL}={self.name}"))["items"]
+            return sum(bool((o.get("status") or {}).get("attributes")) for o in items) >= self.gpus
 
-class Fleet:
-    """One running Agent per node, each with its own API client, as separate agent pods would have."""
+        await support.wait_for(reported, timeout=120, interval=0.05, what=f"the first report of {self.name}")
+        self.psutil = psutil.Process(self.process.proc.pid)
+        return time.monotonic() - started
 
-    def __init__(self, kubeconfig: Path, hosts: dict[str, fakesysfs.FakeHost], pci_ids: PciIds) -> None:
-        self.kubeconfig, self.hosts, self.pci_ids = kubeconfig, hosts, pci_ids
-        self.clients: list = []
-        self.agents: list[Agent] = []
-        self.tasks: list[asyncio.Task] = []
-        self.scans: list[list[ScanResult]] = []
+    def rss(self) -> float:
+        return self.psutil.memory_info().rss / 2**20
 
-    async def start(self) -> None:
-        self.clients = [await connect(str(self.kubeconfig)) for _ in self.hosts]
-        self.agents = [Agent(api, name, host.sysfs, host.proc, self.pci_ids, rescan_interval=3600)
-                       for api, (name, host) in zip(self.clients, self.hosts.items(), strict=True)]  # fmt: skip
-        self.scans = [record_scans(agent) for agent in self.agents]
-        self.tasks = [asyncio.create_task(agent.run()) for agent in self.agents]
-
-    async def scanned(self, count: int) -> None:
-        """Wait until every agent has finished `count` scans."""
-        async def done() -> bool:
-            for task in self.tasks:
-                if task.done():
-                    task.result()  # an agent that died: its exception, not a timeout
-            return all(len(s) >= count for s in self.scans)
-
-        await support.wait_for(done, timeout=600, interval=0.005, what=f"scan {count} of every agent")
-
-    async def rescan(self) -> None:
-        count = min(len(s) for s in self.scans) + 1
-        for agent in self.agents:
-            agent.trigger()
-        await self.scanned(count)
-
-    async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for api in self.clients:
-            await api.close()
+    def cpu(self) -> float:
+        return sum(self.psutil.cpu_times()[:2])
 
 
-async def reported(api, count: int) -> bool:
-    items = (await Custom(api, "nodepcidevices").list(NODE_LABEL))["items"]
-    return sum(bool((o.get("status") or {}).get("attributes")) for o in items) >= count
-
-
-class Meter:
-    """Over a span: the writes the API server counted, and the CPU time of this process and the control plane."""
-
-    def __init__(self, api, local: cluster.LocalCluster) -> None:
-        self.api = api
-        self.processes = {"this process": psutil.Process(),
-                          **{p.name: psutil.Process(p.pid) for p in local.processes if p.name != "kube-controller-manager"}}  # fmt: skip
-
-    def _cpu(self) -> dict[str, float]:
-        return {name: sum(p.cpu_times()[:2]) for name, p in self.processes.items()}
-
-    async def start(self) -> None:
-        self.counts, self.cpu = await support.write_counts(self.api), self._cpu()
-
-    async def stop(self, per: int = 1) -> tuple[float, str, str]:
-        """Writes, their breakdown and the CPU seconds spent, each divided by `per`."""
-        counts, cpu = await support.write_counts(self.api), self._cpu()
-        changes = {k: n for k, n in support.diff(self.counts, counts).items() if k[0] in WATCHED}
-        breakdown = ", ".join(f"{resource} {verb} {n / per:g}" for (resource, verb), n in sorted(changes.items()))
-        spent = ", ".join(f"{name} {(cpu[name] - self.cpu[name]) / per:.2f} s" for name in cpu)
-        return sum(changes.values()) / per, breakdown or "none", spent
-
-
-async def bench_fleet(local: cluster.LocalCluster, root: Path, nodes: int, per_node: int, rounds: int, pci_ids: PciIds) -> None:
+async def bench_single(local: cluster.LocalCluster, root: Path, gpus: int, idle: float, pci_ids: Path) -> None:
+    """Both agents run side by side (each its own process and node), so one idle window serves both."""
     api = await connect(str(local.kubeconfig))
-    meter = Meter(api, local)
+    runs = {
+        "reporting only": AgentRun(local, root, "single-report", gpus, pci_ids, "--no-device-plugin"),
+        "with device plugins": AgentRun(local, root, "single-plugins", gpus, pci_ids),
+    }
     try:
-        names = [f"bench-node-{i:03d}" for i in range(nodes)]
-        for name in names:
-            await support.ensure_node(api, name)
-        hosts = {name: gpu_host(root / name, per_node) for name in names}
-        total = nodes * per_node
-        print(f"fleet:                    {nodes} nodes x {per_node} devices = {total} NodePCIDevices, "
-              f"one agent and API client per node in one event loop")
-
-        await support.quiet(api, WATCHED, settle=1)
-        fleet = Fleet(local.kubeconfig, hosts, pci_ids)
-        await meter.start()
-        started = time.monotonic()
-        await fleet.start()
-        await support.wait_for(lambda: reported(api, total), timeout=600, interval=0.2, what=f"{total} NodePCIDevices")
-        first = time.monotonic() - started
-        await fleet.scanned(1)
-        await support.quiet(api, WATCHED, settle=2)
-        writes, breakdown, cpu = await meter.stop()
-        print(f"first report:             {first:.1f} s from agent start to {total} NodePCIDevices listed "
-              f"(polled every 0.2 s)")
-        print(f"first report writes:      {writes:g} ({writes / total:.2f} per device: {breakdown})")
-        print(f"first report CPU:         {cpu}")
-
-        times = []
-        await meter.start()
-        for _ in range(rounds):
-            started = time.monotonic()
-            await fleet.rescan()
-            times.append(time.monotonic() - started)
-        await asyncio.sleep(1)  # a write the watch echoes back would land here
-        writes, breakdown, cpu = await meter.stop(per=rounds)
-        p50, p99 = support.p50_p99(times)
-        print(f"no-op rescan writes:      {writes:g} per round across {nodes} nodes ({rounds} rounds: {breakdown})")
-        print(f"no-op rescan round:       p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms "
-              f"(trigger to the last of {nodes} scans done)")
-        print(f"no-op rescan CPU:         {cpu} per round")
-        await fleet.stop()
-
-        await support.quiet(api, WATCHED, settle=1)
-        restarted = Fleet(local.kubeconfig, hosts, pci_ids)
-        await meter.start()
-        started = time.monotonic()
-        await restarted.start()
-        await restarted.scanned(1)
-        elapsed = time.monotonic() - started
-        await asyncio.sleep(1)
-        writes, breakdown, cpu = await meter.stop()
-        print(f"restart of all agents:    {elapsed:.1f} s to every first scan done, {writes:g} writes ({breakdown})")
-        print(f"restart CPU:              {cpu}")
-        await restarted.stop()
+        firsts = {what: await run.start(api) for what, run in runs.items()}
+        await asyncio.sleep(5)  # the handover's first rounds, the watches' first bookmarks
+        rss = {what: run.rss() for what, run in runs.items()}
+        before = {what: run.cpu() for what, run in runs.items()}
+        await asyncio.sleep(idle)
+        for what, run in runs.items():
+            cpu = run.cpu() - before[what]
+            rss[what] = max(rss[what], run.rss())
+            spent = f"{cpu:.2f} s" if cpu >= 0.01 else "under 0.01 s (one clock tick)"
+            print(f"one agent, {what + ':':<20} first report {firsts[what]:.1f} s after exec, RSS {rss[what]:.0f} MiB, "
+                  f"CPU {spent} over {idle:.0f} s idle = {max(cpu, 0.01) * 3600 / idle:.1f} s per idle hour (extrapolated)")
     finally:
+        for run in runs.values():
+            run.process.stop()
+        await api.close()
+
+
+def kernel_uevent(action: str, address: str) -> bytes:
+    """A pci uevent as the kernel frames it on the kobject-uevent netlink socket."""
+    devpath = f"/devices/pci0000:00/{address}"
+    return (f"{action}@{devpath}\0ACTION={action}\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
+            f"PCI_SLOT_NAME={address}\0SEQNUM=1\0").encode()  # fmt: skip
+
+
+async def bench_hotplug(local: cluster.LocalCluster, root: Path, gpus: int, trials: int, pci_ids: PciIds) -> None:
+    """A GPU and its audio function appear (sysfs, then their uevents on a socket this process owns): the time
+    until a watch sees the GPU's NodePCIDevice with its status."""
+    api = await connect(str(local.kubeconfig))
+    name = "hotplug-node"
+    node = await support.ensure_node(api, name)
+    host = gpu_host(root / name, gpus)
+    agent = Agent(api, name, host.sysfs, host.proc, pci_ids, rescan_interval=3600)
+    kernel, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    seen: dict[str, float] = {}
+    kind = Custom(api, "nodepcidevices")
+
+    async def watch() -> None:
+        async for _, obj in kind.watch(f"{NODE_LABEL}={name}", timeout=600):
+            if (obj.get("status") or {}).get("attributes"):
+                seen.setdefault(obj["metadata"]["name"], time.monotonic())
+
+    tasks = [asyncio.create_task(agent.run()), asyncio.create_task(uevent.listen(agent.trigger, sock=ours)),
+             asyncio.create_task(watch())]  # fmt: skip
+    try:
+        await support.wait_for(lambda: asyncio.sleep(0, len(seen) >= gpus), timeout=60, what="the first report")
+        await support.quiet(api, WATCHED, settle=1)
+        latencies = []
+        for k in range(trials):
+            bus, group = f"{0x80 + k:02x}", 1000 + k
+            address = f"0000:{bus}:00.0"
+            host.add_root_port(f"0000:00:{0x10 + k // 8:02x}.{k % 8}", bus, iommu_group=group + 500)
+            host.add_device(address, "10de", "2236", "030200", driver="nvidia", iommu_group=group, subsystem=("10de", "1482"))
+            host.add_device(f"0000:{bus}:00.1", "10de", "1aef", "040300", driver="snd_hda_intel", iommu_group=group,
+                            subsystem=("10de", "1482"))  # fmt: skip
+            device = node_pci_device_name(address, "10de", "2236", node.name)
+            started = time.monotonic()
+            kernel.send(kernel_uevent("add", address))
+            kernel.send(kernel_uevent("add", f"0000:{bus}:00.1"))
+            await support.wait_for(lambda: asyncio.sleep(0, device in seen), timeout=30, interval=0.002,
+                                   what=f"{device} reported")  # fmt: skip
+            latencies.append(seen[device] - started)
+            await support.quiet(api, WATCHED, settle=0.5)
+        p50, p99 = support.p50_p99([s * 1000 for s in latencies])
+        print(f"hotplug to visible:       p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {max(latencies) * 1000:.0f} ms over "
+              f"{trials} GPUs added (uevents to a watch seeing the NodePCIDevice with its status)")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        kernel.close()
         await api.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, default=100)
-    parser.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node (at most 239)")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs on each simulated node (at most 239)")
     parser.add_argument("--discovery-devices", type=int, default=512, help="PCI functions in the discovery tree")
     parser.add_argument("--runs", type=int, default=50, help="discovery runs")
-    parser.add_argument("--rounds", type=int, default=5, help="no-op rescan rounds")
+    parser.add_argument("--idle", type=float, default=310,
+                        help="seconds of idle over which an agent's CPU is measured (310: one rescan and one restart of each watch)")
+    parser.add_argument("--hotplugs", type=int, default=40, help="GPUs hot-added one after the other")
     parser.add_argument("--pci-ids", type=Path, default=REPO / "e2e/data/pci.ids.2025-07-11")
     args = parser.parse_args()
 
+    print(f"machine:                  {len(os.sched_getaffinity(0))} CPUs")
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         root = Path(tmp)
         bench_discovery(root / "discovery", args.discovery_devices, args.runs, args.pci_ids)
         local = cluster.start(root / "controlplane")
         try:
-            asyncio.run(bench_fleet(local, root / "nodes", args.nodes, args.devices_per_node, args.rounds,
-                                    PciIds.load(args.pci_ids)))  # fmt: skip
+            asyncio.run(bench_single(local, root / "single", args.gpus, args.idle, args.pci_ids))
+            asyncio.run(bench_hotplug(local, root / "hotplug", args.gpus, args.hotplugs, PciIds.load(args.pci_ids)))
         finally:
             local.stop()
-    print(f"peak RSS:                 {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB "
-          f"(this process: every agent, its client and the shared pci.ids)")
     return 0
 
 

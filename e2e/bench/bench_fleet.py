@@ -1,0 +1,321 @@
+"""Benchmark of a fleet of node agents against a real control plane: 1,000 nodes x 8 devices by default.
+
+    .venv/bin/python e2e/bench/bench_fleet.py [--nodes 1000] [--devices-per-node 8] [--rounds 3]
+
+Every node has its own Agent, API client and fixture tree of --devices-per-node GPUs (as
+`bench_agent.gpu_host` builds them), all in this process and event loop. What each figure means:
+- agents start --starting (100) at a time: each waits for a slot, freed when an agent's first
+  scan is done; all 1,000 at once lag this one event loop past the agents' own timeouts.
+- first report: the time from the agents' start until a watch on NodePCIDevices (started
+  before them) has seen every device with its status; the writes the API server counted,
+  by resource and subresource (per device: the object, then its status, 2 when nothing is
+  written twice), and the API server's CPU seconds per 1,000 devices (psutil on its pid).
+- no-op rescan: every agent rescans unchanged hardware (SIGHUP's path, `trigger()`); writes
+  per round across the fleet (0 when the diff works), the round's time (trigger to the last
+  agent's scan done) and the API server's CPU per round.
+- restart: every agent replaced by a new Agent (empty caches, as after a pod restart) running
+  until its first scan is done; writes (0 when the agent reads what is there first) and time.
+- CPU: with every agent in one Python process on a small machine, this process is the
+  bottleneck, so the times are an upper bound on what separate agent pods would see; its
+  CPU seconds divided by the node count are what one agent pod would spend.
+
+Nothing is asserted: a write where 0 is expected is printed, with the API server's breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psutil  # noqa: E402
+
+from e2e import cluster, fakesysfs, support  # noqa: E402
+from e2e.bench.bench_agent import gpu_host  # noqa: E402
+from passthrough import metrics  # noqa: E402
+from passthrough.agent.loop import Agent, ScanResult  # noqa: E402
+from passthrough.k8s import Custom, connect  # noqa: E402
+from passthrough.pci.pciids import PciIds  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WATCHED = ("nodepcidevices", "nodes")
+
+
+def cores() -> str:
+    return f"{len(os.sched_getaffinity(0))} CPUs (os.cpu_count() {os.cpu_count()})"
+
+
+def record_scans(agent: Agent, first_done: Callable[[], None]) -> list[ScanResult]:
+    """The results of the scans the agent's own loop finishes (`Agent.scans` counts scans begun)."""
+    results: list[ScanResult] = []
+    scan = agent.scan
+
+    async def recorded() -> ScanResult:
+        result = await scan()
+        results.append(result)
+        if len(results) == 1:
+            first_done()
+        return result
+
+    agent.scan = recorded
+    return results
+
+
+class Fleet:
+    """One running Agent per node, each with its own API client, as separate agent pods would have."""
+
+    def __init__(self, kubeconfig: Path, hosts: dict[str, fakesysfs.FakeHost], pci_ids: PciIds, starting: int) -> None:
+        self.kubeconfig, self.hosts, self.pci_ids = kubeconfig, hosts, pci_ids
+        # At most `starting` agents between their start and their first scan done: 1,000 starting
+        # at once in one event loop lag it past the agents' own timeouts (a watch's 10 s to
+        # connect, a scan's 60 s), and their retries feed the lag.
+        self.gate = asyncio.Semaphore(starting)
+        self.clients: list = []
+        self.agents: list[Agent] = []
+        self.tasks: list[asyncio.Task] = []
+        self.scans: list[list[ScanResult]] = []
+
+    async def connect(self) -> None:
+        self.clients = [await connect(str(self.kubeconfig)) for _ in self.hosts]
+
+    def start(self) -> None:
+        self.agents = [Agent(api, name, host.sysfs, host.proc, self.pci_ids, rescan_interval=3600)
+                       for api, (name, host) in zip(self.clients, self.hosts.items(), strict=True)]  # fmt: skip
+        self.scans = [record_scans(agent, self.gate.release) for agent in self.agents]
+        self.tasks = [asyncio.create_task(self._run(agent)) for agent in self.agents]
+
+    async def _run(self, agent: Agent) -> None:
+        await self.gate.acquire()  # released by its first scan done
+        await agent.run()
+
+    def check(self) -> None:
+        for task in self.tasks:
+            if task.done():
+                task.result()  # an agent that died: its exception, not a timeout
+
+    async def scanned(self, count: int) -> None:
+        """Wait until every agent has finished `count` scans."""
+        async def done() -> bool:
+            self.check()
+            return all(len(s) >= count for s in self.scans)
+
+        await support.wait_for(done, timeout=900, interval=0.01, what=f"scan {count} of every agent")
+
+    async def rescan(self) -> None:
+        count = min(len(s) for s in self.scans) + 1
+        for agent in self.agents:
+            agent.trigger()
+        await self.scanned(count)
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for api in self.clients:
+            await api.close()
+
+
+class Reported:
+    """A watch on every NodePCIDevice: the names that have a status, and when the count reached a goal."""
+
+    def __init__(self, api) -> None:
+        self.kind = Custom(api, "nodepcidevices")
+        self.names: set[str] = set()
+        self.goal, self.reached = 0, asyncio.Event()
+
+    async def run(self) -> None:
+        listing = await self.kind.list()
+        self.names = {o["metadata"]["name"] for o in listing["items"] if (o.get("status") or {}).get("attributes")}
+        rv = listing["metadata"]["resourceVersion"]
+        while True:
+            async for kind, obj in self.kind.watch(resource_version=rv, timeout=3600):
+                rv = obj["metadata"].get("resourceVersion", rv)
+                name = obj["metadata"].get("name")
+                if kind == "DELETED":
+                    self.names.discard(name)
+                elif kind != "BOOKMARK" and (obj.get("status") or {}).get("attributes"):
+                    self.names.add(name)
+                if self.goal and len(self.names) >= self.goal:
+                    self.reached.set()
+
+    async def until(self, goal: int, fleet: Fleet, timeout: float = 1200) -> None:
+        self.goal = goal
+        if len(self.names) >= goal:
+            self.reached.set()
+        deadline = time.monotonic() + timeout
+        while not self.reached.is_set():
+            fleet.check()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(self.names)} of {goal} NodePCIDevices reported after {timeout:.0f} s")
+            try:
+                await asyncio.wait_for(self.reached.wait(), 1)
+            except TimeoutError:
+                pass
+
+
+class Meter:
+    """Over a span: the writes the API server counted, and the CPU time of this process and the control plane."""
+
+    def __init__(self, api, local: cluster.LocalCluster) -> None:
+        self.api = api
+        self.processes = {"this process": psutil.Process(),
+                          **{p.name: psutil.Process(p.pid) for p in local.processes if p.name != "kube-controller-manager"}}  # fmt: skip
+
+    def _cpu(self) -> dict[str, float]:
+        return {name: sum(p.cpu_times()[:2]) for name, p in self.processes.items()}
+
+    async def start(self) -> None:
+        self.counts, self.cpu_before = await support.write_counts_by_subresource(self.api), self._cpu()
+
+    async def stop(self) -> Meter:
+        counts, cpu = await support.write_counts_by_subresource(self.api), self._cpu()
+        self.writes = Counter({k: n for k, n in support.diff(self.counts, counts).items() if k[0] in WATCHED})
+        self.spent = {name: cpu[name] - self.cpu_before[name] for name in cpu}
+        return self
+
+    def breakdown(self, per: int = 1) -> str:
+        parts = [f"{res}{'/' + sub if sub else ''} {verb} {n / per:g}" for (res, sub, verb), n in sorted(self.writes.items())]
+        return ", ".join(parts) or "none"
+
+    def total(self, per: int = 1) -> float:
+        return sum(self.writes.values()) / per
+
+    def cpu(self, per: float = 1) -> str:
+        return ", ".join(f"{name} {seconds / per:.2f} s" for name, seconds in self.spent.items())
+
+
+def failed_scans() -> float:
+    """Scans of every agent in this process that failed as a whole so far (the agents' own counter)."""
+    return metrics.AGENT.get_sample_value("passthrough_agent_scan_failures_total") or 0
+
+
+async def create_nodes(api, names: list[str]) -> None:
+    limit = asyncio.Semaphore(32)
+
+    async def one(name: str) -> None:
+        async with limit:
+            await support.ensure_node(api, name)
+
+    await asyncio.gather(*(one(name) for name in names))
+
+
+async def bench_fleet(local: cluster.LocalCluster, hosts: dict[str, fakesysfs.FakeHost], per_node: int, rounds: int,
+                      pci_ids: PciIds, starting: int) -> None:  # fmt: skip
+    api = await connect(str(local.kubeconfig))
+    meter = Meter(api, local)
+    watcher = Reported(api)
+    watching = asyncio.create_task(watcher.run())
+    nodes, total = len(hosts), len(hosts) * per_node
+    try:
+        started = time.monotonic()
+        await create_nodes(api, list(hosts))
+        print(f"nodes created:            {nodes} in {time.monotonic() - started:.1f} s")
+        print(f"fleet:                    {nodes} nodes x {per_node} devices = {total} NodePCIDevices, "
+              f"one agent and API client per node in one event loop, at most {starting} of them starting at once")
+
+        await support.quiet(api, WATCHED, settle=1)
+        fleet = Fleet(local.kubeconfig, hosts, pci_ids, starting)
+        started = time.monotonic()
+        await fleet.connect()
+        print(f"API clients:              {nodes} made in {time.monotonic() - started:.1f} s (kubeconfig read, "
+              f"TLS context; before the agents start, outside the figures below)")
+        await meter.start()
+        started = time.monotonic()
+        fleet.start()
+        await watcher.until(total, fleet)
+        first = time.monotonic() - started
+        await fleet.scanned(1)
+        await support.quiet(api, WATCHED, settle=2)
+        await meter.stop()
+        print(f"first report:             {first:.1f} s from agent start until a watch saw all {total} "
+              f"NodePCIDevices with their status")
+        devices = meter.writes[("nodepcidevices", "", "APPLY")] + meter.writes[("nodepcidevices", "status", "APPLY")]
+        print(f"first report writes:      {meter.total():g} ({devices / total:.2f} per device; {meter.breakdown()})")
+        apiserver = meter.spent["kube-apiserver"]
+        print(f"first report CPU:         {meter.cpu()}")
+        print(f"failed scans:             {failed_scans():g} (timed out or refused: each is retried in 5 s, "
+              f"and a write it made may be made again)")
+        print(f"API server CPU:           {apiserver / total * 1000:.2f} s per 1,000 devices on first report; "
+              f"this process {meter.spent['this process'] / nodes * 1000:.0f} ms per agent")
+
+        times = []
+        await meter.start()
+        for _ in range(rounds):
+            started = time.monotonic()
+            await fleet.rescan()
+            times.append(time.monotonic() - started)
+        await asyncio.sleep(1)  # a write the watch echoes back would land here
+        await meter.stop()
+        p50, p99 = support.p50_p99(times)
+        print(f"no-op rescan writes:      {meter.total(rounds):g} per round across {nodes} nodes "
+              f"({rounds} rounds: {meter.breakdown(rounds)})")
+        print(f"no-op rescan round:       p50 {p50:.1f} s, p99 {p99:.1f} s (trigger to the last of {nodes} scans done)")
+        print(f"no-op rescan CPU:         {meter.cpu(rounds)} per round; API server "
+              f"{meter.spent['kube-apiserver'] / rounds / total * 1000:.2f} s per 1,000 devices")
+        await fleet.stop()
+
+        await support.quiet(api, WATCHED, settle=1)
+        restarted = Fleet(local.kubeconfig, hosts, pci_ids, starting)
+        await restarted.connect()
+        await meter.start()
+        started = time.monotonic()
+        restarted.start()
+        await restarted.scanned(1)
+        elapsed = time.monotonic() - started
+        await asyncio.sleep(1)
+        await meter.stop()
+        print(f"restart of all agents:    {elapsed:.1f} s to every first scan done, {meter.total():g} writes "
+              f"({meter.breakdown()})")
+        print(f"restart CPU:              {meter.cpu()}")
+        print(f"failed scans:             {failed_scans():g} in all")
+        await restarted.stop()
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        await api.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node (at most 239)")
+    parser.add_argument("--rounds", type=int, default=3, help="no-op rescan rounds")
+    parser.add_argument("--starting", type=int, default=100, help="agents at most between start and first scan done")
+    parser.add_argument("--pci-ids", type=Path, default=REPO / "e2e/data/pci.ids.2025-07-11")
+    args = parser.parse_args()
+
+    # Every agent holds a few connections (its watches, its writes): more than the usual 1,024 descriptors.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    print(f"machine:                  {cores()}")
+    # The trees in memory where the machine has a tmpfs, as sysfs is: on disk, 1,000 of them take minutes to build.
+    shm = Path("/dev/shm")
+    trees = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="bench-fleet-trees-", dir=trees) as tree_root:  # fmt: skip
+        root = Path(tmp)
+        started = time.monotonic()
+        hosts = {f"fleet-node-{i:04d}": gpu_host(Path(tree_root) / f"{i:04d}", args.devices_per_node)
+                 for i in range(args.nodes)}  # fmt: skip
+        print(f"fixture trees:            {args.nodes} built in {time.monotonic() - started:.1f} s under {tree_root}")
+        local = cluster.start(root / "controlplane")
+        try:
+            asyncio.run(bench_fleet(local, hosts, args.devices_per_node, args.rounds, PciIds.load(args.pci_ids), args.starting))
+        finally:
+            local.stop()
+    print(f"peak RSS:                 {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB "
+          f"(this process: every agent, its client and the shared pci.ids)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
