@@ -36,7 +36,7 @@ from passthrough.k8s import (
     EventRecorder,
     Mirror,
     require_crds,
-    watch_request_timeout,
+    watch_events,
 )
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.pciids import PciIds
@@ -178,34 +178,15 @@ class Agent:
                     return
 
     async def _watch_node(self) -> None:
-        """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets).
-
-        Read as plain JSON lines: the client's `Watch` builds a second API client (a TLS context
-        and a connection pool) for every stream and a V1Node model for every event, which was a
-        third of an agent's CPU at start.
-        """
+        """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets)."""
         backoff = 1.0
         while True:
             try:
-                response = await self.core.list_node(
-                    field_selector=f"metadata.name={self.node_name}", watch=True, timeout_seconds=300,
-                    _request_timeout=watch_request_timeout(300), _preload_content=False,
-                )
-                try:
-                    if response.status != 200:
-                        raise ApiException(status=response.status, reason=response.reason)
-                    async for line in response.content:
-                        if not line.strip():
-                            continue
-                        event = json.loads(line)
-                        if event.get("type") == "ERROR":
-                            raise ApiException(status=(event.get("object") or {}).get("code"), reason="watch error")
-                        labels = ((event.get("object") or {}).get("metadata") or {}).get("labels") or {}
-                        if event.get("type") != "BOOKMARK" and node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
-                            self._node_labels = labels
-                            self.trigger()
-                finally:
-                    response.release()
+                async for kind, node in watch_events(self.core.list_node, field_selector=f"metadata.name={self.node_name}"):
+                    labels = (node.get("metadata") or {}).get("labels") or {}
+                    if kind != "BOOKMARK" and node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
+                        self._node_labels = labels
+                        self.trigger()
                 backoff = 1.0
             except asyncio.CancelledError:
                 raise

@@ -20,6 +20,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.api.models import GROUP, VERSION
+from passthrough.k8s import watch_events
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")
@@ -184,26 +185,14 @@ class Informer(Generic[V]):
         self._resource_version = metadata.get("resourceVersion", "")
 
     async def _watch(self) -> None:
-        response = await self._call(
-            watch=True, resource_version=self._resource_version, allow_watch_bookmarks=True, timeout_seconds=300,
-            _preload_content=False, _request_timeout=(10, 330),
-        )
-        try:
-            if response.status != 200:
-                raise ApiException(status=response.status, reason=response.reason)
-            async for line in response.content:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, body = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    raise ApiException(status=body.get("code", 500), reason=body.get("message", ""))
-                self._resource_version = (body.get("metadata") or {}).get("resourceVersion") or self._resource_version
-                if kind == "BOOKMARK":
-                    continue
-                self._set(self._key(body), None if kind == "DELETED" else body)
-        finally:
-            response.release()
+        async for kind, body in watch_events(
+            self.objects.list_cluster_custom_object, self.group, self.version, self.plural,
+            resource_version=self._resource_version, allow_watch_bookmarks=True,
+        ):  # fmt: skip
+            self._resource_version = (body.get("metadata") or {}).get("resourceVersion") or self._resource_version
+            if kind == "BOOKMARK":
+                continue
+            self._set(self._key(body), None if kind == "DELETED" else body)
 
     async def _call(self, **kwargs: Any) -> Any:
         call = self.objects.list_cluster_custom_object
