@@ -250,8 +250,11 @@ async def test_values_valid_by_schema_but_wrong_are_refused_and_the_last_good_co
     after = await kubevirts.get("kubevirt", scene.namespace)
     assert after["spec"]["configuration"] == before["spec"]["configuration"], "KubeVirt changed under invalid values"
     await assert_nothing_torn_down(scene, kinds, operator)
-    events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
-    assert any(e.type == "Warning" and e.reason == "InvalidValues" for e in events.items)
+    async def warned():  # Events follow once the operator's work queue has settled (10 s at most)
+        events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
+        return any(e.type == "Warning" and e.reason == "InvalidValues" for e in events.items)
+
+    await support.wait_for(warned, 15, what="a Warning InvalidValues on the config")
     # Put the good values back for the next test.
     await configs.apply(config_body({"kubevirt": {"name": "kubevirt", "namespace": scene.namespace}}), "admin")
     await support.wait_for(lambda: _valid(configs), 20, what="Valid=True again")

@@ -154,8 +154,11 @@ async def test_a_conflicting_duplicate_is_refused_and_the_last_good_config_stays
     await asyncio.sleep(1)
     kv = await kubevirts.get("kubevirt", kubevirt_ns)
     assert pci_list(kv) == pci_list(good)  # nothing torn down
-    events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
-    assert any(e.type == "Warning" and e.reason == "InvalidValues" for e in events.items)
+    async def warned():  # Events follow once the operator's work queue has settled (10 s at most)
+        events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
+        return any(e.type == "Warning" and e.reason == "InvalidValues" for e in events.items)
+
+    await support.wait_for(warned, 15, what="a Warning InvalidValues on the config")
 
 
 async def test_replacing_the_defaults_with_nothing_removes_the_block_and_warns(api, kinds, config, kubevirt_ns):

@@ -102,5 +102,6 @@ async def test_the_devices_of_a_node_that_stays_gone_are_collected_after_the_gra
         return await npci.get(name) is None and await pcidev.get(name, namespace) is None
 
     await support.wait_for(collected, GRACE + 20, what="the devices of the gone node collected")
-    [event] = await events(api, "default", name, "Collected")
+    # Events follow once the operator's work queue has settled (10 s at most).
+    [event] = await support.wait_for(lambda: events(api, "default", name, "Collected"), 15, what="the Collected Event")
     assert event.type == "Warning" and f"assigned to {namespace}" in event.message
