@@ -3,18 +3,29 @@
 Loading never fails: a missing or damaged file gives an empty database whose `problem`
 says that names fall back to hex IDs, and how to fix it. A damaged line is skipped and noted
 with its line number (`damage`, `damage_report`); the rest of the file is still used.
+
+The file is kept as it was read (one bytes object, about 1.5 MiB) with an index of where each
+vendor's and class's lines begin; a name is read from its line when it is first asked for
+(a dict of every name in the file took about 9 MiB of the agent's memory). Every line is
+still checked once, at load, so damage is reported then, as before.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
+import threading
+from array import array
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
 from pathlib import Path
 
 SEARCH_PATHS = ("/usr/share/hwdata/pci.ids", "/usr/share/misc/pci.ids", "/usr/share/pci.ids")
 
 # Names are split from IDs on any run of blanks: the file uses two spaces, hand edits do not.
+# These judge one line (read as text, its CRs at the end taken off): they are the format.
 _VENDOR = re.compile(r"([0-9A-Fa-f]{4})[ \t]+([^ \t].*)")
 _DEVICE = re.compile(r"\t([0-9A-Fa-f]{4})[ \t]+([^ \t].*)")
 _SUBSYSTEM = re.compile(r"\t\t([0-9A-Fa-f]{4})[ \t]+([0-9A-Fa-f]{4})[ \t]+([^ \t].*)")
@@ -22,6 +33,33 @@ _CLASS = re.compile(r"C[ \t]+([0-9A-Fa-f]{2})[ \t]+([^ \t].*)")
 _SUBCLASS = re.compile(r"\t([0-9A-Fa-f]{2})[ \t]+([^ \t].*)")
 _PROG_IF = re.compile(r"\t\t([0-9A-Fa-f]{2})[ \t]+([^ \t].*)")
 _EDITION = re.compile(r"#\s*Version:\s*(\S+)")
+
+# The load-time check reads the bytes a whole block of lines at a time with these: each
+# accepts only lines that the patterns above accept in that place (and comments and blank
+# lines); any other line, damaged or merely unusual (a CR in it), is judged on its own by
+# the patterns above. Each line ends in a newline here: the last line, without one, is
+# always judged on its own.
+_H4, _H2 = rb"[0-9A-Fa-f]{4}", rb"[0-9A-Fa-f]{2}"
+_REST = rb"[ \t]++[^ \t\r\n][^\r\n]*+\n"  # blanks, a name, the line's end
+_SKIP = rb"(?:#[^\n]*+|[ \t\r\x0b\x0c]*+)\n"  # a comment or a blank line
+_DEV = rb"\t" + _H4 + _REST
+_SUB = rb"\t\t" + _H4 + rb"[ \t]++" + _H4 + _REST
+_SUBC = rb"\t" + _H2 + _REST
+_PROG = rb"\t\t" + _H2 + _REST
+# Below a vendor (class) with no device (subclass) yet: the group is the first device (subclass).
+_V_FIRST = rb"(?:" + _SKIP + rb")*+(?:(" + _DEV + rb")(?:" + _SUB + b"|" + _DEV + b"|" + _SKIP + rb")*+)?+"
+_C_FIRST = rb"(?:" + _SKIP + rb")*+(?:(" + _SUBC + rb")(?:" + _PROG + b"|" + _SUBC + b"|" + _SKIP + rb")*+)?+"
+_V_MORE = re.compile(rb"(?:" + _SUB + b"|" + _DEV + b"|" + _SKIP + rb")*+")
+_C_MORE = re.compile(rb"(?:" + _PROG + b"|" + _SUBC + b"|" + _SKIP + rb")*+")
+_V_FIRST_RE, _C_FIRST_RE = re.compile(_V_FIRST), re.compile(_C_FIRST)
+_SKIPS = re.compile(rb"(?:" + _SKIP + rb")*+")
+# A vendor (groups 1, 2) or class (groups 3, 4) line with the lines below it.
+_HEAD = re.compile(rb"(" + _H4 + rb")" + _REST + _V_FIRST + rb"|C[ \t]++(" + _H2 + rb")" + _REST + _C_FIRST)
+_EDITION_HINT = re.compile(rb"^#[^\n]*?Version:", re.M)
+_NON_ASCII = re.compile(rb"[\x80-\xff]")
+_ID2 = re.compile("[0-9a-f]{2}")
+_ID4 = re.compile("[0-9a-f]{4}")
+_ID6 = re.compile("[0-9a-f]{6}")
 
 _CONSEQUENCE = (
     "device names fall back to hex IDs and GPU resource names become <domain>/<device-id>, "
@@ -33,10 +71,151 @@ _FIX = "install the hwdata (or pciutils) package, or pass --pci-ids FILE"
 MAX_SIZE = 256 << 20
 # Damaged lines noted one by one; the rest are only counted (a binary file has thousands).
 NOTED_DAMAGE = 20
+# Names looked up lately, kept: the agent asks for the same few on every scan.
+CACHED_LOOKUPS = 512
+# Vendors (classes) whose device (subclass) lines were looked up lately: where those lines are,
+# by ID, is kept (8 bytes a line: 15 KiB for NVIDIA's).
+CACHED_VENDORS = 16
+_OFFSET = (1 << 40) - 1  # a line's offset, below its ID, in one index entry
+
+_VENDOR_CONTEXT, _CLASS_CONTEXT = 1, 2
+
+
+class _Tier:
+    """The lines below a vendor (class) line: devices (subclasses), and below each of those its
+    subsystems (programming interfaces). `head`, `child`, `grandchild`: the patterns that judge
+    each kind of line; `child_start`: the start of every line that may be a child (group 1:
+    its ID); `run_start`: of every line that may be a grandchild (groups: its IDs) or a child
+    (the last group: its ID), to read the lines below a child up to the next."""
+
+    def __init__(self, head: re.Pattern, child: re.Pattern, grandchild: re.Pattern, digits: int, ids: int) -> None:
+        self.head, self.child, self.grandchild = head, child, grandchild
+        hexes = rb"([0-9A-Fa-f]{%d})" % digits
+        self.child_start = re.compile(rb"^\t" + hexes + rb"[ \t]", re.M)
+        tail = rb"[ \t]+".join([hexes] * ids)
+        self.run_start = re.compile(rb"^\t(?:\t" + tail + rb"[ \t]|" + hexes + rb"[ \t])", re.M)
+
+
+_VENDORS = _Tier(_VENDOR, _DEVICE, _SUBSYSTEM, digits=4, ids=2)
+_CLASSES = _Tier(_CLASS, _SUBCLASS, _PROG_IF, digits=2, ids=1)
+
+
+class _Index:
+    """The file's bytes and where its vendors and classes begin: names are read from there."""
+
+    __slots__ = ("data", "errors", "starts", "vendors", "classes", "children", "lock")
+
+    def __init__(self, data: bytes = b"", errors: str = "replace", starts: array | None = None,
+                 vendors: array | None = None, classes: array | None = None) -> None:  # fmt: skip
+        self.data = data
+        self.errors = errors  # how the bytes are read as text: as at load, line by line
+        # Where each vendor's or class's lines begin, in file order, then the file's end.
+        self.starts = starts if starts is not None else array("Q", [len(data)])
+        # (ID << 32 | its block's number in `starts`), sorted: an ID's blocks in file order.
+        self.vendors = vendors if vendors is not None else array("Q")
+        self.classes = classes if classes is not None else array("Q")
+        # (tier, ID) -> the lines below it that may be devices (subclasses): (device ID << 40 |
+        # offset), sorted; the most recently used last.
+        self.children: dict[tuple[_Tier, int], array] = {}
+        self.lock = threading.Lock()  # discovery runs in threads
+
+    def line(self, pos: int) -> str:
+        """The line that begins at `pos`, as text, as the format reads it (CRs at its end off)."""
+        end = self.data.find(b"\n", pos)
+        return self.data[pos : end if end >= 0 else len(self.data)].decode("utf-8", self.errors).rstrip("\r")
+
+    def blocks(self, tier: _Tier, ident: int) -> Iterator[tuple[int, int]]:
+        """(where it begins, where it ends) of each vendor's (class's) block with this ID, in file order."""
+        index = self.vendors if tier is _VENDORS else self.classes
+        i = bisect_left(index, ident << 32)
+        while i < len(index) and index[i] >> 32 == ident:
+            block = index[i] & 0xFFFFFFFF
+            yield self.starts[block], self.starts[block + 1]
+            i += 1
+
+    def head(self, tier: _Tier, ident: int) -> str | None:
+        """The name on the first vendor (class) line with this ID."""
+        for start, _ in self.blocks(tier, ident):
+            if m := tier.head.fullmatch(self.line(start)):
+                return _name(m.group(2))
+        return None
+
+    def _child_lines(self, tier: _Tier, ident: int) -> array:
+        """Where the lines that may be children of `ident` are: (child ID << 40 | offset), sorted."""
+        key = (tier, ident)
+        with self.lock:
+            found = self.children.pop(key, None)
+            if found is None:
+                lines = []
+                for start, stop in self.blocks(tier, ident):
+                    lines += [int(m.group(1), 16) << 40 | m.start() for m in tier.child_start.finditer(self.data, start, stop)]
+                lines.sort()
+                found = array("Q", lines)
+                if len(self.children) >= CACHED_VENDORS:
+                    del self.children[next(iter(self.children))]
+            self.children[key] = found
+        return found
+
+    def _children(self, tier: _Tier, ident: int, child: str) -> Iterator[tuple[re.Match, int]]:
+        """Each good device (subclass) line with ID `child` below vendor (class) `ident`, in
+        file order: (its match, where it begins)."""
+        lines = self._child_lines(tier, ident)
+        wanted = int(child, 16)
+        i = bisect_left(lines, wanted << 40)
+        while i < len(lines) and lines[i] >> 40 == wanted:
+            pos = lines[i] & _OFFSET
+            if found := tier.child.fullmatch(self.line(pos)):
+                yield found, pos
+            i += 1
+
+    def child(self, tier: _Tier, ident: int, child: str) -> str | None:
+        for found, _ in self._children(tier, ident, child):
+            return _name(found.group(2))
+        return None
+
+    def grandchild(self, tier: _Tier, ident: int, child: str, tail: tuple[str, ...]) -> str | None:
+        """The first subsystem (programming interface) line with IDs `tail` that belongs to a
+        device (subclass) `child` of `ident`: one below that device's line, before the next
+        good device line."""
+        wanted = tuple(t.encode() for t in tail)
+        for _, pos in self._children(tier, ident, child):
+            stop = self.starts[bisect_right(self.starts, pos)]
+            for m in tier.run_start.finditer(self.data, pos + 1, stop):
+                *ids, child_id = m.groups()
+                if child_id is not None:
+                    if tier.child.fullmatch(self.line(m.start())):
+                        break
+                elif tuple(i.lower() for i in ids) == wanted and (found := tier.grandchild.fullmatch(self.line(m.start()))):
+                    return _name(found.group(len(tail) + 1))
+        return None
+
+    def find(self, kind: str, *keys: str) -> str | None:
+        """A name by its lower-case IDs; kept in an LRU cache by `PciIds`."""
+        if kind == "class":
+            return self.class_name(keys[0])
+        if not all(_ID4.fullmatch(key) for key in keys):
+            return None
+        vendor = int(keys[0], 16)
+        if kind == "vendor":
+            return self.head(_VENDORS, vendor)
+        if kind == "device":
+            return self.child(_VENDORS, vendor, keys[1])
+        return self.grandchild(_VENDORS, vendor, keys[1], keys[2:])
+
+    def class_name(self, code: str) -> str | None:
+        base = self.head(_CLASSES, int(code[:2], 16)) if _ID2.fullmatch(code[:2]) else None
+        sub = prog_if = None
+        if len(code) >= 4 and _ID4.fullmatch(code[:4]):
+            sub = self.child(_CLASSES, int(code[:2], 16), code[2:4])
+        if len(code) >= 6 and _ID6.fullmatch(code[:6]):
+            prog_if = self.grandchild(_CLASSES, int(code[:2], 16), code[2:4], (code[4:6],))
+        if sub is None:
+            return base
+        return f"{sub} ({prog_if})" if prog_if else sub
 
 
 class PciIds:
-    """An in-memory pci.ids. IDs are looked up case-insensitively."""
+    """A pci.ids, read. IDs are looked up case-insensitively."""
 
     def __init__(self, path: Path | None = None, edition: str = "", problem: str = "") -> None:
         self.path = path
@@ -46,13 +225,17 @@ class PciIds:
         # (line number, what is wrong with it), in line order: the first NOTED_DAMAGE of the
         # skipped lines, and the first line that is not UTF-8 (read with U+FFFD, not skipped).
         self.damage: list[tuple[int, str]] = []
-        self._vendors: dict[str, str] = {}
-        self._devices: dict[tuple[str, str], str] = {}
-        self._subsystems: dict[tuple[str, str, str, str], str] = {}
-        self._classes: dict[str, str] = {}  # "03", "0302", "030200"
+        self._use(_Index(), 0)
+
+    def _use(self, index: _Index, vendors: int) -> None:
+        self._index = index
+        self._vendors = index.vendors  # empty when the file has no vendor line
+        self._vendor_count = vendors
+        # The cache holds the index, not the database: no reference cycle.
+        self._find = functools.lru_cache(maxsize=CACHED_LOOKUPS)(index.find)
 
     def __repr__(self) -> str:
-        return f"PciIds(path={self.path!r}, edition={self.edition!r}, vendors={len(self._vendors)})"
+        return f"PciIds(path={self.path!r}, edition={self.edition!r}, vendors={self._vendor_count})"
 
     @classmethod
     def load(cls, path: str | Path | None = None, host_root: str | Path | None = None) -> PciIds:
@@ -74,93 +257,132 @@ class PciIds:
             if not stat.S_ISREG(os.stat(path).st_mode):
                 return cls(path=path, problem=f"pci.ids {path} is not a regular file; {_CONSEQUENCE}; {_FIX}")
             with open(path, "rb") as f:
-                data = f.read(MAX_SIZE + 1)
+                size = os.fstat(f.fileno()).st_size
+                data = _read(f, size) if size <= MAX_SIZE else None
         except OSError as e:
             return cls(path=path, problem=f"cannot read pci.ids {path} ({e.strerror or e}); {_CONSEQUENCE}; {_FIX}")
-        if len(data) > MAX_SIZE:
+        if data is None or len(data) > MAX_SIZE:
             return cls(
                 path=path,
                 problem=f"pci.ids {path} is over {MAX_SIZE >> 20} MiB, too large to be a PCI ID database "
                 f"(the real one is under 2 MiB); {_CONSEQUENCE}; {_FIX}",
             )
-        try:
-            return cls.parse(data.decode("utf-8"), path)
-        except UnicodeDecodeError as e:
-            db = cls.parse(data.decode("utf-8", errors="replace"), path)
-            line = data.count(b"\n", 0, e.start) + 1
-            column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-            db.damage.append((line, f"is not UTF-8 (byte 0x{data[e.start]:02x} at column {column}); its bad bytes read as U+FFFD"))
+        db = cls._parse(data, path, "replace")
+        bad = _first_not_utf8(data)
+        if bad is not None:
+            line = data.count(b"\n", 0, bad) + 1
+            column = bad - (data.rfind(b"\n", 0, bad) + 1) + 1
+            db.damage.append((line, f"is not UTF-8 (byte 0x{data[bad]:02x} at column {column}); its bad bytes read as U+FFFD"))
             db.damage.sort(key=lambda note: note[0])
-            return db
+        return db
 
     @classmethod
     def parse(cls, text: str, path: Path | None = None) -> PciIds:
+        # Kept as UTF-8 (lone surrogates too), and read back line by line as it was.
+        return cls._parse(text.encode("utf-8", "surrogatepass"), path, "surrogatepass")
+
+    @classmethod
+    def _parse(cls, data: bytes, path: Path | None, errors: str) -> PciIds:
         db = cls(path=path)
-        vendors, devices, subsystems, classes = db._vendors, db._devices, db._subsystems, db._classes
-        vendor = device = klass = subclass = None
-        in_classes = False
+        starts = array("Q")
+        vendor_keys: list[int] = []
+        class_keys: list[int] = []
+        # Where the lines are: below a vendor, below a class, or neither (the file's start);
+        # `child`: a device (subclass) line has come since.
+        context, child = 0, False
         damaged = 0
-        for number, line in enumerate(text.split("\n"), start=1):
-            line = line.rstrip("\r")
+        newlines = counted = 0  # newlines before `counted`: for the numbers of damaged lines
+        pos, n = 0, len(data)
+        while pos < n:
+            # Blocks of good lines at a time.
+            if context == _VENDOR_CONTEXT:
+                m = _V_MORE.match(data, pos) if child else _V_FIRST_RE.match(data, pos)
+            elif context == _CLASS_CONTEXT:
+                m = _C_MORE.match(data, pos) if child else _C_FIRST_RE.match(data, pos)
+            else:
+                m = _SKIPS.match(data, pos)
+            if not child and m.lastindex:
+                child = True
+            pos = m.end()
+            if pos >= n:
+                break
+            if m := _HEAD.match(data, pos):
+                block = len(starts)
+                starts.append(pos)
+                if m.group(1) is not None:
+                    context, child = _VENDOR_CONTEXT, m.group(2) is not None
+                    vendor_keys.append(int(m.group(1), 16) << 32 | block)
+                else:
+                    context, child = _CLASS_CONTEXT, m.group(4) is not None
+                    class_keys.append(int(m.group(3), 16) << 32 | block)
+                pos = m.end()
+                continue
+            # One line on its own: unusual, or damaged.
+            end = data.find(b"\n", pos)
+            if end < 0:
+                end = n
+            line = data[pos:end].decode("utf-8", errors).rstrip("\r")
+            start, pos = pos, end + 1
             if not line or line.isspace():
                 continue
             first = line[0]
             if first == "#":
-                if not db.edition:
-                    m = _EDITION.match(line)
-                    if m:
-                        db.edition = m.group(1)
                 continue
             # A damaged line is skipped and changes no context, so it hides nothing after it.
             # Of two entries for one ID the first wins, as in the NVIDIA plugin's lookup.
             wrong = ""
             if first != "\t":
                 if first == "C" and (m := _CLASS.fullmatch(line)):
-                    in_classes, vendor, device, subclass = True, None, None, None
-                    klass = m.group(1).lower()
-                    classes.setdefault(klass, _name(m.group(2)))
+                    context, child = _CLASS_CONTEXT, False
+                    class_keys.append(int(m.group(1), 16) << 32 | len(starts))
+                    starts.append(start)
                 elif m := _VENDOR.fullmatch(line):
-                    in_classes, device, klass, subclass = False, None, None, None
-                    vendor = m.group(1).lower()
-                    vendors.setdefault(vendor, _name(m.group(2)))
+                    context, child = _VENDOR_CONTEXT, False
+                    vendor_keys.append(int(m.group(1), 16) << 32 | len(starts))
+                    starts.append(start)
                 elif first in " \v\f":
                     wrong = "is indented with spaces; the format indents with tabs"
                 else:
                     wrong = "is neither a vendor line (4 hex digits, blanks, a name) nor a class line (C, 2 hex digits, a name)"
             elif line.startswith("\t\t\t"):
                 wrong = "is indented three tabs deep; the format has two levels below a vendor or class"
-            elif in_classes:
-                if line[1:2] != "\t" and klass and (m := _SUBCLASS.fullmatch(line)):
-                    subclass = klass + m.group(1).lower()
-                    classes.setdefault(subclass, _name(m.group(2)))
-                elif subclass and (m := _PROG_IF.fullmatch(line)):
-                    classes.setdefault(subclass + m.group(1).lower(), _name(m.group(2)))
+            elif context == _CLASS_CONTEXT:
+                if line[1:2] != "\t" and _SUBCLASS.fullmatch(line):
+                    child = True
+                elif child and _PROG_IF.fullmatch(line):
+                    pass
                 elif line[1:2] != "\t":
                     wrong = "is not a subclass line (a tab, 2 hex digits, blanks, a name)"
-                elif subclass:
+                elif child:
                     wrong = "is not a programming interface line (two tabs, 2 hex digits, blanks, a name)"
                 else:
                     wrong = "is a programming interface line outside any subclass"
             elif line[1:2] != "\t":
-                if vendor and (m := _DEVICE.fullmatch(line)):
-                    device = m.group(1).lower()
-                    devices.setdefault((vendor, device), _name(m.group(2)))
-                elif vendor:
+                if context == _VENDOR_CONTEXT and _DEVICE.fullmatch(line):
+                    child = True
+                elif context == _VENDOR_CONTEXT:
                     wrong = "is not a device line (a tab, 4 hex digits, blanks, a name)"
                 else:
                     wrong = "is a device line outside any vendor"
-            elif vendor and device and (m := _SUBSYSTEM.fullmatch(line)):
-                key = (vendor, device, m.group(1).lower(), m.group(2).lower())
-                subsystems.setdefault(key, _name(m.group(3)))
-            elif vendor and device:
+            elif context == _VENDOR_CONTEXT and child and _SUBSYSTEM.fullmatch(line):
+                pass
+            elif context == _VENDOR_CONTEXT and child:
                 wrong = "is not a subsystem line (two tabs, 4 hex digits, a blank, 4 hex digits, blanks, a name)"
             else:
                 wrong = "is a subsystem line outside any device"
             if wrong:
                 damaged += 1
                 if damaged <= NOTED_DAMAGE:
-                    db.damage.append((number, f"{_show(line)} {wrong}"))
+                    newlines += data.count(b"\n", counted, start)
+                    counted = start
+                    db.damage.append((newlines + 1, f"{_show(line)} {wrong}"))
+        starts.append(n)
         db.damaged_lines = damaged
+        db.edition = _edition(data, errors)
+        vendor_keys.sort()
+        class_keys.sort()
+        vendors = array("Q", vendor_keys)
+        db._use(_Index(data, errors, starts, vendors, array("Q", class_keys)), len({key >> 32 for key in vendor_keys}))
         if not vendors:
             where = f"pci.ids {path}" if path else "pci.ids"
             db.problem = f"{where} is damaged (no vendor entries in it); {_CONSEQUENCE}; {_FIX}"
@@ -181,14 +403,13 @@ class PciIds:
         )
 
     def vendor_name(self, vendor_id: str) -> str | None:
-        return self._vendors.get(vendor_id.lower())
+        return self._find("vendor", vendor_id.lower())
 
     def device_name(self, vendor_id: str, device_id: str) -> str | None:
-        return self._devices.get((vendor_id.lower(), device_id.lower()))
+        return self._find("device", vendor_id.lower(), device_id.lower())
 
     def subsystem_name(self, vendor_id: str, device_id: str, subvendor_id: str, subdevice_id: str) -> str | None:
-        key = (vendor_id.lower(), device_id.lower(), subvendor_id.lower(), subdevice_id.lower())
-        return self._subsystems.get(key)
+        return self._find("subsystem", vendor_id.lower(), device_id.lower(), subvendor_id.lower(), subdevice_id.lower())
 
     def class_name(self, class_code: str) -> str | None:
         """The name lspci shows for a class code of 2, 4 or 6 hex digits.
@@ -197,13 +418,47 @@ class PciIds:
         when it has one ("Non-Volatile memory controller (NVM Express)"); the base class
         name when the subclass is unknown.
         """
-        code = class_code.lower()
-        base = self._classes.get(code[:2])
-        sub = self._classes.get(code[:4]) if len(code) >= 4 else None
-        prog_if = self._classes.get(code[:6]) if len(code) >= 6 else None
-        if sub is None:
-            return base
-        return f"{sub} ({prog_if})" if prog_if else sub
+        return self._find("class", class_code.lower())
+
+
+def _read(f, size: int) -> bytes:
+    """The file whole, or MAX_SIZE + 1 bytes of it when it grows past that (`size`: what it
+    says it holds): never a buffer of MAX_SIZE, as `read(MAX_SIZE + 1)` allocates, for a small one."""
+    data = f.read(size + 1)
+    if len(data) <= size:
+        return data
+    # It grew, or says size 0 (a file under /proc).
+    chunks, total = [data], len(data)
+    while total <= MAX_SIZE and (chunk := f.read(min(1 << 20, MAX_SIZE + 1 - total))):
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def _first_not_utf8(data: bytes) -> int | None:
+    """Where the first byte that is not UTF-8 is, line by line (as decoding it whole would say)."""
+    pos = 0
+    while m := _NON_ASCII.search(data, pos):
+        start = data.rfind(b"\n", 0, m.start()) + 1
+        end = data.find(b"\n", m.start())
+        if end < 0:
+            end = len(data)
+        try:
+            data[start:end].decode("utf-8")
+        except UnicodeDecodeError as e:
+            return start + e.start
+        pos = end
+    return None
+
+
+def _edition(data: bytes, errors: str) -> str:
+    """The version on the first comment line that has one."""
+    for m in _EDITION_HINT.finditer(data):
+        end = data.find(b"\n", m.start())
+        line = data[m.start() : end if end >= 0 else len(data)].decode("utf-8", errors).rstrip("\r")
+        if found := _EDITION.match(line):
+            return found.group(1)
+    return ""
 
 
 def _show(line: str) -> str:
