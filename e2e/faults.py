@@ -33,6 +33,7 @@ from e2e.cluster import LocalCluster, prepare
 from e2e.fakesysfs import HOST_BRIDGE, FakeHost
 from e2e.processes import AgentProcess, OperatorProcess
 from passthrough.k8s import NODE_LABEL, Custom, connect
+from passthrough.kubeapi import ApiError
 from passthrough.pci.naming import node_pci_device_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +53,7 @@ async def retrying(call: Callable[[], Awaitable[T]], timeout: float = 90) -> T:
     while True:
         try:
             return await call()
-        except ApiException as exc:
+        except (ApiException, ApiError) as exc:
             if exc.status not in (0, 429, 500, 502, 503, 504) or time.monotonic() > deadline:
                 raise
         except invariants.UNREACHABLE:

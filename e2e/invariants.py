@@ -35,6 +35,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from passthrough.api.models import CONFIG_NAME
 from passthrough.controller.lifecycle import FINALIZER
 from passthrough.k8s import Custom
+from passthrough.kubeapi import ApiError
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN, exclusive_resource_name
 
 EXCLUSIVE_PREFIX = EXCLUSIVE_DOMAIN + "/"
@@ -106,7 +107,7 @@ async def check(api: client.ApiClient, expected: Expected) -> list[str]:
     """Every violation of the invariant, one sentence each; [] when it holds."""
     try:
         world = await _world(api)
-    except (ApiException, *UNREACHABLE) as exc:
+    except (ApiException, ApiError, *UNREACHABLE) as exc:
         return [f"cannot read the cluster: {type(exc).__name__}: {exc}".strip()]
     return violations(world, expected)
 

@@ -43,7 +43,7 @@ from e2e import cluster, fakesysfs, support  # noqa: E402
 from e2e.bench.bench_agent import gpu_host  # noqa: E402
 from passthrough import metrics  # noqa: E402
 from passthrough.agent.loop import Agent, ScanResult  # noqa: E402
-from passthrough.k8s import Custom, connect  # noqa: E402
+from passthrough.k8s import Custom, connect, session  # noqa: E402
 from passthrough.pci.pciids import PciIds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def record_scans(agent: Agent, first_done: Callable[[], None]) -> list[ScanResul
 
 
 class Fleet:
-    """One running Agent per node, each with its own API client, as separate agent pods would have."""
+    """One running Agent per node, each with its own API session, as separate agent pods would have."""
 
     def __init__(self, kubeconfig: Path, hosts: dict[str, fakesysfs.FakeHost], pci_ids: PciIds, starting: int) -> None:
         self.kubeconfig, self.hosts, self.pci_ids = kubeconfig, hosts, pci_ids
@@ -85,7 +85,7 @@ class Fleet:
         self.scans: list[list[ScanResult]] = []
 
     async def connect(self) -> None:
-        self.clients = [await connect(str(self.kubeconfig)) for _ in self.hosts]
+        self.clients = [await session(str(self.kubeconfig)) for _ in self.hosts]  # as `passthrough agent` makes it
 
     def start(self) -> None:
         self.agents = [Agent(api, name, host.sysfs, host.proc, self.pci_ids, rescan_interval=3600)

@@ -1,7 +1,7 @@
-"""The Kubernetes API as this project uses it: one client, server-side apply, small watches.
+"""The Kubernetes API as this project uses it: one session, server-side apply, small watches.
 
-Kopf has its own client for watching; everything we write goes through here, with
-kubernetes-asyncio, so every write is a server-side apply under a named field manager.
+Kopf has its own client for watching; everything we write goes through here (over
+`kubeapi.Session`), so every write is a server-side apply under a named field manager.
 """
 
 from __future__ import annotations
@@ -10,24 +10,20 @@ import asyncio
 import collections
 import contextlib
 import datetime
-import json
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
-import yarl
-from kubernetes_asyncio import client, config
-from kubernetes_asyncio.client import rest as _rest
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.api.models import GROUP, VERSION
+from passthrough.kubeapi import APPLY_PATCH, MERGE_PATCH, ApiError, KubeconfigError, Session, open_session, session_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-APPLY = "application/apply-patch+yaml"
+APPLY = APPLY_PATCH
 AGENT_MANAGER = "passthrough-agent"
 OPERATOR_MANAGER = "passthrough-operator"
 NODE_LABEL = "passthrough.io/node"
@@ -38,29 +34,24 @@ class CannotStart(RuntimeError):
     """No kubeconfig, no API server, no CRDs: the message says what to do."""
 
 
-class _Utf8Json:
-    """What the generated client's REST layer calls `json`: bodies as UTF-8, not \\u escapes.
-
-    It serializes every body with `json.dumps`, whose ASCII escapes write a character beyond
-    the Basic Multilingual Plane (an emoji in a device's name) as a surrogate pair, which is
-    JSON but not YAML: the API server parses apply patches as YAML and answers 400, and the
-    object's key would retry for ever.
-    """
-
-    @staticmethod
-    def dumps(obj: Any, **kwargs: Any) -> str:
-        return json.dumps(obj, ensure_ascii=False, **kwargs)
-
-
-_rest.json = _Utf8Json  # type: ignore[assignment]
-
-
-async def connect(kubeconfig: str | None = None, connections: int = 64) -> client.ApiClient:
-    """An API client from the in-cluster service account, else from a kubeconfig.
+async def session(kubeconfig: str | None = None, connections: int = 64) -> Session:
+    """A session to the API server from the in-cluster service account, else from a kubeconfig.
 
     `connections`: how many requests may be in flight at once. Each open TLS connection holds
     a 256 KiB buffer in asyncio, so a long-running process keeps this to what it needs.
     """
+    try:
+        return await open_session(kubeconfig, connections)
+    except KubeconfigError as exc:
+        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise CannotStart(f"no usable kubeconfig at {where} ({exc}); pass --kubeconfig, set KUBECONFIG, or run in a pod") from None
+
+
+async def connect(kubeconfig: str | None = None, connections: int = 64) -> Any:
+    """A kubernetes_asyncio ApiClient, for tests and tools that use its typed API (the
+    operator and the agent use `session`); every helper here takes either."""
+    from kubernetes_asyncio import client, config
+
     configuration = client.Configuration()
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
         config.load_incluster_config(client_configuration=configuration)
@@ -74,37 +65,24 @@ async def connect(kubeconfig: str | None = None, connections: int = 64) -> clien
             ) from None
     configuration.connection_pool_maxsize = connections
     api = client.ApiClient(configuration)
-    _resolve_proxy_once(api, configuration)
+    api.rest_client.pool_manager._trust_env = False  # noqa: SLF001 (see Session._resolve_proxy_once)
+    session_of(api)._resolve_proxy_once()  # noqa: SLF001
     return api
 
 
-def _resolve_proxy_once(api: client.ApiClient, configuration: client.Configuration) -> None:
-    # Trusting the environment, aiohttp reads ~/.netrc and the proxy variables in a worker
-    # thread for every request: a tenth of the operator's CPU in a burst. The server is one
-    # and known, so its proxy (if the environment names one) is looked up once, here.
-    session = api.rest_client.pool_manager
-    if not configuration.proxy:
-        with contextlib.suppress(LookupError):
-            proxy, auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(configuration.host))
-            api.rest_client.proxy = str(proxy)
-            if auth is not None:
-                api.rest_client.proxy_headers = {"Proxy-Authorization": auth.encode()}
-    session._trust_env = False  # noqa: SLF001 (no public switch once the session exists)
-
-
-async def require_crds(api: client.ApiClient, *plurals: str) -> None:
+async def require_crds(api: Any, *plurals: str) -> None:
     """Refuse to start without our CRDs: every write would fail, one object at a time."""
     try:
-        resources = await client.CustomObjectsApi(api).get_api_resources(GROUP, VERSION)
-    except ApiException as exc:
+        resources = await session_of(api).request("GET", f"/apis/{GROUP}/{VERSION}", timeout=30)
+    except ApiError as exc:
         if exc.status == 404:
             raise CannotStart(
                 f"the {GROUP} CRDs are not installed in this cluster: kubectl apply -f crds/ (or install the chart)"
             ) from None
         raise CannotStart(f"cannot read {GROUP}/{VERSION} from the API server: {exc.status} {exc.reason}") from None
-    except OSError as exc:
-        raise CannotStart(f"cannot reach the API server: {exc}") from None
-    names = {r.name for r in resources.resources or []}
+    except (OSError, TimeoutError, aiohttp.ClientError) as exc:
+        raise CannotStart(f"cannot reach the API server: {exc or type(exc).__name__}") from None
+    names = {r.get("name") for r in resources.get("resources") or []}
     missing = [p for p in plurals if p not in names]
     if missing:
         raise CannotStart(f"CRDs missing from the cluster: {', '.join(f'{p}.{GROUP}' for p in missing)}; kubectl apply -f crds/")
@@ -119,7 +97,7 @@ async def patiently(call: Callable[..., Awaitable[T]], *args: Any, attempts: int
     for attempt in range(attempts):
         try:
             return await call(*args, **kwargs)
-        except ApiException as exc:
+        except ApiError as exc:
             if exc.status != 429 or attempt == attempts - 1:
                 raise
             try:
@@ -131,55 +109,37 @@ async def patiently(call: Callable[..., Awaitable[T]], *args: Any, attempts: int
 
 
 class Custom:
-    """One passthrough.io kind, cluster-scoped or namespaced, with apply as the only write verb."""
+    """One kind of custom object, cluster-scoped or namespaced, with apply as the only write verb."""
 
-    def __init__(self, api: client.ApiClient, plural: str, namespaced: bool = False, group: str = GROUP, version: str = VERSION) -> None:
-        self.objects = client.CustomObjectsApi(api)
+    def __init__(self, api: Any, plural: str, namespaced: bool = False, group: str = GROUP, version: str = VERSION) -> None:
+        self.session = session_of(api)
         self.plural, self.namespaced, self.group, self.version = plural, namespaced, group, version
+
+    def path(self, name: str = "", namespace: str | None = None, status: bool = False) -> str:
+        path = f"/apis/{self.group}/{self.version}"
+        if self.namespaced and namespace:
+            path += f"/namespaces/{namespace}"
+        path += f"/{self.plural}"
+        if name:
+            path += f"/{name}" + ("/status" if status else "")
+        return path
 
     async def get(self, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         try:
-            if self.namespaced:
-                return await patiently(self.objects.get_namespaced_custom_object, self.group, self.version, namespace, self.plural, name)
-            return await patiently(self.objects.get_cluster_custom_object, self.group, self.version, self.plural, name)
-        except ApiException as exc:
+            return await patiently(self.session.request, "GET", self.path(name, namespace))
+        except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
 
-    async def list(self, label_selector: str = "", namespace: str | None = None) -> dict[str, Any]:
-        if self.namespaced and namespace:
-            return await patiently(
-                self.objects.list_namespaced_custom_object, self.group, self.version, namespace, self.plural, label_selector=label_selector
-            )
-        return await patiently(
-            self.objects.list_cluster_custom_object, self.group, self.version, self.plural, label_selector=label_selector
-        )
+    async def list(self, label_selector: str = "", namespace: str | None = None, **query: Any) -> dict[str, Any]:
+        return await patiently(self.session.request, "GET", self.path(namespace=namespace), query={"labelSelector": label_selector, **query})
 
     async def apply(self, body: dict[str, Any], manager: str, status: bool = False, force: bool = True) -> dict[str, Any]:
         """Server-side apply of `body` (its metadata names the object); `status` targets the subresource."""
-        name = body["metadata"]["name"]
-        namespace = body["metadata"].get("namespace")
-        # The generated client maps only 200 to a body; an apply that creates answers 201.
-        kwargs = {"field_manager": manager, "force": force, "_content_type": APPLY, "_preload_content": False}
-        if self.namespaced:
-            call = self.objects.patch_namespaced_custom_object_status if status else self.objects.patch_namespaced_custom_object
-            args = (self.group, self.version, namespace, self.plural, name, body)
-        else:
-            call = self.objects.patch_cluster_custom_object_status if status else self.objects.patch_cluster_custom_object
-            args = (self.group, self.version, self.plural, name, body)
-
-        async def once() -> dict[str, Any]:
-            response = await call(*args, **kwargs)
-            data = await response.read()
-            if not 200 <= response.status < 300:
-                # Without preloading, the client hands back errors as if they were the object.
-                exc = ApiException(status=response.status, reason=response.reason)
-                exc.body, exc.headers = data.decode(errors="replace"), response.headers
-                raise exc
-            return json.loads(data)
-
-        return await patiently(once)
+        path = self.path(body["metadata"]["name"], body["metadata"].get("namespace"), status)
+        query = {"fieldManager": manager, "force": force}
+        return await patiently(self.session.request, "PATCH", path, query=query, body=body, content_type=APPLY)
 
     async def delete(
         self, name: str, namespace: str | None = None, uid: str | None = None, resource_version: str | None = None
@@ -187,54 +147,28 @@ class Custom:
         """Delete; the answer's status: 200 (deleted or being deleted), 404 (already gone) or 409
         (a precondition failed: `uid` guards against a newer object of that name, `resource_version`
         against one that changed since it was decided on)."""
-        preconditions = client.V1Preconditions(uid=uid or None, resource_version=resource_version or None)
-        body = client.V1DeleteOptions(preconditions=preconditions) if uid or resource_version else None
+        preconditions = {k: v for k, v in (("uid", uid), ("resourceVersion", resource_version)) if v}
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": preconditions} if preconditions else None
         try:
-            if self.namespaced:
-                await patiently(self.objects.delete_namespaced_custom_object, self.group, self.version, namespace, self.plural, name, body=body)
-            else:
-                await patiently(self.objects.delete_cluster_custom_object, self.group, self.version, self.plural, name, body=body)
+            await patiently(self.session.request, "DELETE", self.path(name, namespace), body=body)
             return 200
-        except ApiException as exc:
+        except ApiError as exc:
             if exc.status in (404, 409):
                 return exc.status
             raise
 
     async def watch(self, label_selector: str = "", resource_version: str = "", timeout: int = 300) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """Events after `resource_version` until the server ends the watch; raises ApiException(410) when too old."""
-        async for event in watch_events(
-            self.objects.list_cluster_custom_object, self.group, self.version, self.plural,
-            label_selector=label_selector, resource_version=resource_version, allow_watch_bookmarks=True, timeout_seconds=timeout,
-        ):  # fmt: skip
+        """Events after `resource_version` until the server ends the watch; raises ApiError(410) when too old."""
+        async for event in watch_events(self.session, self.path(), labelSelector=label_selector,
+                                        resourceVersion=resource_version, allowWatchBookmarks=True, timeoutSeconds=timeout):  # fmt: skip
             yield event
 
 
-async def watch_events(list_call: Callable[..., Awaitable[Any]], *args: Any, timeout_seconds: int = 300,
-                       **kwargs: Any) -> AsyncIterator[tuple[str, dict[str, Any]]]:  # fmt: skip
-    """(type, object) of each event of a watch made with `list_call` (a generated client's list
-    method), read as plain JSON lines; an ERROR event raises ApiException with its code.
-
-    Not kubernetes_asyncio's `Watch`: that builds an ApiClient for every stream (an SSL context
-    loading the system CA store, 20 ms of CPU, and a session it never closes), which a
-    thousand agents in one process, or one agent over days, pay again at every reconnect.
-    """
-    response = await list_call(
-        *args, watch=True, timeout_seconds=timeout_seconds, _request_timeout=watch_request_timeout(timeout_seconds),
-        _preload_content=False, **kwargs,
-    )  # fmt: skip
-    try:
-        if response.status != 200:
-            raise ApiException(status=response.status, reason=response.reason)
-        async for line in response.content:
-            if not line.strip():
-                continue
-            event = json.loads(line)  # a line cut short by a dropped connection raises: the watch starts over
-            kind, body = event.get("type"), event.get("object") or {}
-            if kind == "ERROR":
-                raise ApiException(status=body.get("code"), reason=f"{body.get('reason')}: {body.get('message')}")
-            yield kind, body
-    finally:
-        response.release()
+def watch_events(api: Any, path: str, timeoutSeconds: int = 300, **query: Any) -> AsyncIterator[tuple[str, dict[str, Any]]]:  # noqa: N803
+    """(type, object) of each event of a watch of `path` (a list's path), read as plain JSON
+    lines; an ERROR event raises ApiError with its code."""
+    connect, read = watch_request_timeout(timeoutSeconds)
+    return session_of(api).watch(path, {**query, "timeoutSeconds": timeoutSeconds}, connect=connect, read=read)
 
 
 def watch_request_timeout(server_timeout: int) -> tuple[float, float]:
@@ -318,7 +252,7 @@ class Mirror:
                 backoff = 1.0
             except asyncio.CancelledError:
                 raise
-            except ApiException as exc:
+            except ApiError as exc:
                 if exc.status == 410:  # our resourceVersion is too old: start over
                     self._resource_version = ""
                     continue
@@ -351,10 +285,10 @@ class EventRecorder:
     """
 
     def __init__(
-        self, api: client.ApiClient | client.CoreV1Api, component: str, concurrency: int = 4, backlog: int = 10_000,
+        self, api: Any, component: str, concurrency: int = 4, backlog: int = 10_000,
         quiet: Callable[[], Awaitable[None]] | None = None, max_delay: float = 10.0,
     ) -> None:  # fmt: skip
-        self.core = client.CoreV1Api(api) if isinstance(api, client.ApiClient) else api
+        self.session = session_of(api)
         self.component = component
         self.concurrency, self.backlog = concurrency, backlog
         self.quiet, self.max_delay = quiet, max_delay
@@ -427,17 +361,11 @@ class EventRecorder:
         try:
             if await self._count_up(key, stamp):
                 return
-            response = await self.core.create_namespaced_event(namespace, event, _request_timeout=30, _preload_content=False)
-            try:
-                if not 200 <= response.status < 300:
-                    raise ApiException(status=response.status, reason=response.reason)
-                created = json.loads(await response.read())
-            finally:
-                response.release()
+            created = await self.session.request("POST", f"/api/v1/namespaces/{namespace}/events", body=event, timeout=30)
             self._remember(key, (namespace, created["metadata"]["name"], 1))
         except Exception as exc:  # Events are best effort: losing one must not stop a reconcile
             # ...but a lasting cause (RBAC, a missing namespace) is worth one warning.
-            cause = f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else type(exc).__name__
+            cause = f"{exc.status} {exc.reason}" if isinstance(exc, ApiError) else type(exc).__name__
             if cause not in self._failures:
                 self._failures.add(cause)
                 log.warning("posting Events fails (%s), e.g. %s for %s; further failures of this kind are not logged",
@@ -451,16 +379,13 @@ class EventRecorder:
             return False
         namespace, name, count = seen
         patch = {"count": count + 1, "lastTimestamp": stamp}
-        response = await self.core.patch_namespaced_event(
-            name, namespace, patch, _content_type="application/merge-patch+json", _request_timeout=30, _preload_content=False
+        status, _ = await self.session.call(
+            "PATCH", f"/api/v1/namespaces/{namespace}/events/{name}", body=patch, content_type=MERGE_PATCH, timeout=30
         )
-        try:
-            if not 200 <= response.status < 300:
-                # Gone (expired), or not ours to patch (RBAC of an older chart): a new one.
-                self._posted.pop(key, None)
-                return False
-        finally:
-            response.release()
+        if not 200 <= status < 300:
+            # Gone (expired), or not ours to patch (RBAC of an older chart): a new one.
+            self._posted.pop(key, None)
+            return False
         self._remember(key, (namespace, name, count + 1))
         return True
 

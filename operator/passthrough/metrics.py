@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from aiohttp import web
-from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -32,6 +31,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+from passthrough.kubeapi import ApiError
 
 # `_created` series double every counter and histogram and no dashboard here reads them.
 disable_created_metrics()
@@ -193,7 +194,7 @@ def write(counter: Counter, resource: str, verb: str) -> Iterator[_Answer]:
     answer = _Answer()
     try:
         yield answer
-    except ApiException as exc:
+    except ApiError as exc:
         counter.labels(resource, verb, str(exc.status)).inc()
         raise
     except Exception:

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from e2e import support
 from passthrough.api.models import MAX_GRACE_SECONDS
 from passthrough.k8s import AGENT_MANAGER, NODE_LABEL, Custom
+from passthrough.kubeapi import ApiError
 
 pytestmark = pytest.mark.cluster
 MERGE = "application/merge-patch+json"
@@ -282,7 +282,7 @@ async def test_a_grace_period_no_clock_can_count_is_refused_or_used_without_a_cr
         refused = False
         try:
             await configs.apply(config_body(spec), "admin")
-        except ApiException as e:
+        except ApiError as e:
             assert seconds > MAX_GRACE_SECONDS and e.status == 422, (seconds, e.status, e.body)
             assert "spec.devices.notFoundGracePeriodSeconds" in e.body and "less than or equal to" in e.body, e.body
             refused = True

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.api.models import API_VERSION
 from passthrough.k8s import Custom
+from passthrough.kubeapi import ApiError
 
 pytestmark = pytest.mark.cluster
 
@@ -15,7 +15,7 @@ async def test_a_refused_apply_raises_with_the_servers_message(api, unique):
     kind = Custom(api, "nodepcidevices")
     body = {"apiVersion": API_VERSION, "kind": "NodePCIDevice", "metadata": {"name": f"pci-{unique}"},
             "spec": {"assignedNamespace": "Not_A_Namespace"}}
-    with pytest.raises(ApiException) as err:
+    with pytest.raises(ApiError) as err:
         await kind.apply(body, "test")
     assert err.value.status == 422 and "must be empty or a namespace name" in err.value.body
 
@@ -23,7 +23,7 @@ async def test_a_refused_apply_raises_with_the_servers_message(api, unique):
 async def test_a_status_apply_for_a_missing_object_is_404(api, unique):
     kind = Custom(api, "nodepcidevices")
     body = {"apiVersion": API_VERSION, "kind": "NodePCIDevice", "metadata": {"name": f"pci-gone-{unique}"}, "status": {"mode": "Pool"}}
-    with pytest.raises(ApiException) as err:
+    with pytest.raises(ApiError) as err:
         await kind.apply(body, "test", status=True)
     assert err.value.status == 404
 
@@ -33,7 +33,7 @@ async def test_an_apply_naming_a_uid_never_brings_a_deleted_object_back(api, uni
     name = f"pci-uid-{unique}"
     created = await kind.apply({"apiVersion": API_VERSION, "kind": "NodePCIDevice", "metadata": {"name": name}}, "test")
     await kind.delete(name)
-    with pytest.raises(ApiException) as err:
+    with pytest.raises(ApiError) as err:
         await kind.apply({"apiVersion": API_VERSION, "kind": "NodePCIDevice",
                           "metadata": {"name": name, "uid": created["metadata"]["uid"], "finalizers": ["x/y"]}}, "test")
     assert err.value.status in (404, 409), err.value

@@ -116,6 +116,48 @@ async def test_unassigning_deletes_the_pcidevice(api, kinds, gpu_device, namespa
     assert await pcidev.get(name, namespace) is None
 
 
+async def test_the_nodepcidevice_says_assigned_or_not_only_after_the_pcidevice_is_made_or_deleted(api, kinds, gpu_device, namespace):
+    """The order the API server recorded the writes in (resourceVersions on one watch each):
+    the condition that reports on the PCIDevice is never there before the PCIDevice is."""
+    npci, pcidev = kinds
+    _, name = gpu_device
+    start = (await npci.list())["metadata"]["resourceVersion"]
+    seen: list[tuple[int, str]] = []
+
+    async def record(kind: Custom, what) -> None:
+        async for type_, obj in kind.watch(resource_version=start, timeout=120):
+            if type_ != "BOOKMARK" and obj["metadata"]["name"] == name:
+                seen.append((int(obj["metadata"]["resourceVersion"]), what(type_, obj)))
+
+    def assigned(type_, obj) -> str:
+        got = conditions(obj).get("Assigned", {})
+        return f"npci {got.get('status')} {got.get('reason')}"
+
+    watches = [asyncio.create_task(record(npci, assigned)), asyncio.create_task(record(pcidev, lambda t, o: f"pci {t}"))]
+    try:
+        for _ in range(5):
+            await support.assign(api, name, namespace)
+            await wait_condition(npci, name, "Assigned", "Assigned")
+            await support.assign(api, name, "")
+            await wait_condition(npci, name, "Assigned", "Available", contains="Not assigned")
+        await asyncio.sleep(0.5)  # the last events through both watches
+    finally:
+        for task in watches:
+            task.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)
+    exists = False
+    told = []
+    for _, what in sorted(seen):
+        if what == "pci ADDED":
+            exists = True
+        elif what == "pci DELETED":
+            exists = False
+        elif what.startswith("npci ") and (not told or told[-1][0] != what):
+            told.append((what, exists))
+    assert [t for t in told if t[0] == "npci True Assigned"] == [("npci True Assigned", True)] * 5, sorted(seen)
+    assert [t for t in told if t[0] == "npci False Available"][-5:] == [("npci False Available", False)] * 5, sorted(seen)
+
+
 async def test_reassigning_moves_the_pcidevice(api, kinds, gpu_device, namespace, unique):
     npci, pcidev = kinds
     _, name = gpu_device

@@ -29,6 +29,7 @@ from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess
 from passthrough.agent import report
 from passthrough.k8s import AGENT_MANAGER, NODE_LABEL, VFIO_LABEL, Custom, connect
+from passthrough.kubeapi import ApiError
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
@@ -163,7 +164,7 @@ async def logged_in(who: identities.Identity):
 
 async def refusal(call) -> str:
     """The message of the API server's 403 to `call` (an awaitable)."""
-    with pytest.raises(ApiException) as caught:
+    with pytest.raises((ApiException, ApiError)) as caught:
         await call
     assert caught.value.status == 403, caught.value.body
     return json.loads(caught.value.body)["message"]

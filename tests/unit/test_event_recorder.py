@@ -7,26 +7,22 @@ import asyncio
 from passthrough.k8s import EventRecorder
 
 
-class Response:
-    status, reason = 201, "Created"
-
-    def release(self) -> None:
-        pass
-
-
 class FakeCore:
+    """Shaped as `kubeapi.Session`: Events are POSTed, repeats PATCHed."""
+
     def __init__(self, delay: float = 0.01, hang: bool = False) -> None:
         self.posted: list[dict] = []
         self.in_flight = self.most_in_flight = 0
         self.delay, self.hang = delay, hang
 
-    async def create_namespaced_event(self, namespace, body, **kwargs):
+    async def request(self, method, path, body=None, **kwargs):
+        assert method == "POST" and path.startswith("/api/v1/namespaces/") and path.endswith("/events")
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             await asyncio.sleep(3600 if self.hang else self.delay)
-            self.posted.append({"namespace": namespace, **body})
-            return Response()
+            self.posted.append({"namespace": path.split("/")[4], **body})
+            return {**body, "metadata": {**body["metadata"], "name": f"e{len(self.posted)}"}}
         finally:
             self.in_flight -= 1
 

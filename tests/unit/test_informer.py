@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass
 
 import pytest
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.controller.informer import Index, Informer
+from passthrough.kubeapi import ApiError
 
 
 @dataclass(frozen=True)
@@ -27,48 +27,45 @@ def obj(name: str, rv: int, group: str = "") -> dict:
     return {"metadata": {"name": name, "resourceVersion": str(rv)}, "spec": {"group": group}}
 
 
-class Response:
-    def __init__(self, status: int, body: bytes = b"", lines=()) -> None:
-        self.status, self.reason, self._body, self._lines = status, "", body, list(lines)
-        self.content = self._iterate()
-
-    async def _iterate(self):
-        for line in self._lines:
-            if isinstance(line, BaseException):
-                raise line
-            yield line
-
-    async def read(self) -> bytes:
-        return self._body
-
-    def release(self) -> None:
-        pass
-
-
-class FakeObjects:
-    """Serves `items` in pages, then the watch `streams` one after the other (then waits)."""
+class FakeSession:
+    """Serves `items` in pages, then the watch `streams` one after the other (then waits);
+    shaped as `kubeapi.Session` (whose JSON lines are read against the real API server in
+    the integration tests)."""
 
     def __init__(self, items, streams=(), list_rv: str = "100", later_listings=()) -> None:
         self.items, self.streams, self.list_rv = list(items), list(streams), list_rv
         self.later_listings = list(later_listings)  # what each further listing from scratch shows
         self.calls: list[dict] = []
+        self.refusals: list[int] = []  # statuses the next listings answer with
 
-    async def list_cluster_custom_object(self, group, version, plural, **kwargs):
-        self.calls.append(kwargs)
-        if kwargs.get("watch"):
-            if not self.streams:
-                await asyncio.Event().wait()
-            stream = self.streams.pop(0)
-            if isinstance(stream, int):
-                return Response(stream)
-            return Response(200, lines=[json.dumps(e).encode() + b"\n" if isinstance(e, dict) else e for e in stream])
-        start = int(kwargs.get("_continue") or 0)
+    async def request(self, method, path, query=None, **kwargs):
+        self.calls.append(dict(query or {}))
+        if self.refusals:
+            raise ApiError(self.refusals.pop(0), "refused")
+        start = int(query.get("continue") or 0)
         if not start and any(not c.get("watch") for c in self.calls[:-1]) and self.later_listings:
             self.items = self.later_listings.pop(0)
-        page = self.items[start:start + kwargs["limit"]]
-        more = start + kwargs["limit"] < len(self.items)
-        meta = {"resourceVersion": self.list_rv, "continue": str(start + kwargs["limit"]) if more else ""}
-        return Response(200, json.dumps({"items": page, "metadata": meta}).encode())
+        page = self.items[start:start + query["limit"]]
+        more = start + query["limit"] < len(self.items)
+        meta = {"resourceVersion": self.list_rv, "continue": str(start + query["limit"]) if more else ""}
+        return json.loads(json.dumps({"items": page, "metadata": meta}))
+
+    async def watch(self, path, query=None, **kwargs):
+        self.calls.append({**(query or {}), "watch": True})
+        if not self.streams:
+            await asyncio.Event().wait()
+        stream = self.streams.pop(0)
+        if isinstance(stream, int):
+            raise ApiError(stream, "refused")
+        for event in stream:
+            if isinstance(event, BaseException):
+                raise event
+            if event["type"] == "ERROR":
+                raise ApiError(event["object"].get("code"), event["object"].get("message", ""))
+            yield event["type"], event["object"]
+
+
+FakeObjects = FakeSession
 
 
 def informer(objects: FakeObjects, changes: list, page_size: int = 100) -> Informer:
@@ -109,11 +106,11 @@ async def test_the_listing_comes_in_pages_and_every_object_is_indexed_by_its_vie
     inf = informer(objects, changes)
     await run_until(inf, inf.synced.is_set)
     lists = [c for c in objects.calls if not c.get("watch")]
-    assert [c["limit"] for c in lists] == [100, 100, 100] and all(not c.get("_preload_content", True) for c in lists)
+    assert [c["limit"] for c in lists] == [100, 100, 100]
     assert len(inf) == 250 and len(changes) == 250
     assert len(inf.indexes["by_group"]["g0"]) == 84 and inf.indexes["by_name"]["d7"][0].group == "g1"
     watch = objects.calls[-1]
-    assert watch["watch"] and watch["resource_version"] == "100" and watch["allow_watch_bookmarks"]
+    assert watch["watch"] and watch["resourceVersion"] == "100" and watch["allowWatchBookmarks"]
 
 
 async def test_watch_events_move_index_entries_and_call_back_once_each():
@@ -151,23 +148,15 @@ async def test_a_broken_watch_is_retried_from_where_it_was():
     inf.retry_delay = 0.01
     await run_until(inf, lambda: len(changes) == 3)
     watches = [c for c in objects.calls if c.get("watch")]
-    assert [w["resource_version"] for w in watches[:2]] == ["100", "5"]
+    assert [w["resourceVersion"] for w in watches[:2]] == ["100", "5"]
     assert inf.indexes["by_name"]["a"][0].resource_version == "6"
 
 
 async def test_an_error_answer_to_the_listing_is_raised_and_retried():
     objects = FakeObjects([obj("a", 1)])
-    original = objects.list_cluster_custom_object
-    answers = [Response(429)]
-
-    async def first_429(*args, **kwargs):
-        if answers and not kwargs.get("watch"):
-            return answers.pop()
-        return await original(*args, **kwargs)
-
-    objects.list_cluster_custom_object = first_429
+    objects.refusals = [429]
     inf = informer(objects, [])
-    with pytest.raises(ApiException):
+    with pytest.raises(ApiError):
         await inf._relist()
     await inf._relist()
     assert len(inf) == 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kubernetes_asyncio.client.exceptions import ApiException
+from passthrough.kubeapi import ApiError
 
 from passthrough.k8s import patiently
 
@@ -14,7 +14,7 @@ async def test_a_429_is_retried_after_the_servers_delay_and_other_errors_are_not
     async def initializing():
         calls.append(1)
         if len(calls) < 3:
-            exc = ApiException(status=429, reason="Too Many Requests")
+            exc = ApiError(429, "Too Many Requests")
             exc.headers = {"Retry-After": "0.1"}
             raise exc
         return "listed"
@@ -23,9 +23,9 @@ async def test_a_429_is_retried_after_the_servers_delay_and_other_errors_are_not
 
     async def forbidden():
         calls.append(1)
-        raise ApiException(status=403, reason="Forbidden")
+        raise ApiError(403, "Forbidden")
 
     calls.clear()
-    with pytest.raises(ApiException):
+    with pytest.raises(ApiError):
         await patiently(forbidden)
     assert len(calls) == 1

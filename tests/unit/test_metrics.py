@@ -20,7 +20,7 @@ import aiohttp
 import grpc
 import pytest
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
+from passthrough.kubeapi import ApiError
 
 from e2e.fakekernel import FakeKernel
 from e2e.fakesysfs import gpu_node
@@ -135,8 +135,8 @@ async def test_a_write_is_counted_by_how_it_was_answered():
         pass
     with metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete") as answer:
         answer.status(409)  # Custom.delete returns its 404 and 409
-    with pytest.raises(ApiException), metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete"):
-        raise ApiException(status=422, reason="Unprocessable Entity")
+    with pytest.raises(ApiError), metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete"):
+        raise ApiError(422, "Unprocessable Entity")
     with pytest.raises(aiohttp.ServerDisconnectedError), metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete"):
         raise aiohttp.ServerDisconnectedError()
     with pytest.raises(asyncio.CancelledError), metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete"):

@@ -16,8 +16,6 @@ from pathlib import Path
 from passthrough import metrics
 from passthrough.agent.plan import Plan, Served
 from passthrough.deviceplugin.allocation import PluginDevice
-from passthrough.deviceplugin.manager import PluginManager
-from passthrough.deviceplugin.podresources import PodResourcesUnavailable, held_devices
 from passthrough.pci import vfio
 from passthrough.pci.vfio import BindError
 
@@ -51,6 +49,9 @@ class Handover:
         self.pod_resources_socket = Path(pod_resources_socket)
         self.serve_pools = serve_pools
         self.bind_timeout = bind_timeout
+        # gRPC (10 MiB of an agent's memory) is imported by an agent that serves device plugins only.
+        from passthrough.deviceplugin.manager import PluginManager
+
         self.plugins = PluginManager(Path(plugin_dir), health=self._healthy)
         self._unavailable_logged = False
 
@@ -100,6 +101,8 @@ class Handover:
 
     async def _held(self) -> set[str] | None:
         """Every device id any pod holds, of any resource; None when the kubelet cannot say."""
+        from passthrough.deviceplugin.podresources import PodResourcesUnavailable, held_devices
+
         try:
             held = await held_devices(self.pod_resources_socket)
         except PodResourcesUnavailable as exc:

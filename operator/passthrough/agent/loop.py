@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough import metrics
 from passthrough.agent import plan as node_plan
@@ -38,18 +36,16 @@ from passthrough.k8s import (
     require_crds,
     watch_events,
 )
+from passthrough.kubeapi import ApiError, session_of
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger(__name__)
 
 
-def api_message(exc: ApiException) -> str:
+def api_message(exc: ApiError) -> str:
     """What the API server said, from a Status body (the reason alone says little: 422, 409)."""
-    try:
-        return json.loads(exc.body or "{}").get("message", "")
-    except (ValueError, AttributeError):
-        return ""
+    return exc.message
 
 SCAN_TIMEOUT = 60.0  # seconds one scan may take, its API requests included
 HELD_RECHECK = 5.0  # seconds between asking the kubelet whether a device to give back is still held
@@ -70,7 +66,7 @@ class ScanResult:
 class Agent:
     def __init__(
         self,
-        api: client.ApiClient,
+        api: Any,
         node_name: str,
         sysfs_root: Path = Path("/sys"),
         proc_root: Path = Path("/proc"),
@@ -88,7 +84,7 @@ class Agent:
         self.rescan_interval = rescan_interval
         self.devices = Custom(api, NODE_PCI_DEVICE.plural)
         self.mirror = Mirror(self.devices, label_selector=f"{NODE_LABEL}={node_name}")
-        self.core = client.CoreV1Api(api)
+        self.session = session_of(api)
         self._wake = asyncio.Event()
         self._resync = False  # list the objects again before the next scan (set after trouble)
         self._attributes: dict[str, dict[str, Any]] = {}  # object name -> attributes last reported
@@ -141,7 +137,7 @@ class Agent:
                         # Some writes failed (API unavailable, conflict): try again soon, not in 5 minutes.
                         self._resync = True
                         asyncio.get_running_loop().call_later(5, self._wake.set)
-                except (ApiException, OSError, TimeoutError, aiohttp.ClientError) as exc:
+                except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
                     # aiohttp.ClientError: a server that accepted the connection and went away
                     # mid-request (ServerDisconnectedError) is no OSError, and no reason to stop.
                     log.warning("scan failed (%s: %s); retrying in 5s", type(exc).__name__, exc)
@@ -182,7 +178,7 @@ class Agent:
         backoff = 1.0
         while True:
             try:
-                async for kind, node in watch_events(self.core.list_node, field_selector=f"metadata.name={self.node_name}"):
+                async for kind, node in watch_events(self.session, "/api/v1/nodes", fieldSelector=f"metadata.name={self.node_name}"):
                     labels = (node.get("metadata") or {}).get("labels") or {}
                     if kind != "BOOKMARK" and node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
                         self._node_labels = labels
@@ -324,7 +320,7 @@ class Agent:
             if report.changed(desired, live):
                 await self._apply(report.status_body(name, desired, live), status=True)
                 result.writes += 1
-        except ApiException as exc:
+        except ApiError as exc:
             result.failed.append(name)
             self._log_once(f"{name}:write:{exc.status}", "writing %s (%s) failed: %s %s %s", name, device.address,
                            exc.status, exc.reason, api_message(exc))
@@ -343,7 +339,7 @@ class Agent:
             await self._apply(report.status_body(name, desired, live), status=True)
             result.writes += 1
             log.info("%s (%s) is gone from %s", name, live.get("status", {}).get("attributes", {}).get("pciAddress"), self.node_name)
-        except ApiException as exc:
+        except ApiError as exc:
             if exc.status != 404:  # already deleted by the operator or the garbage collector
                 result.failed.append(name)
                 self._log_once(f"{name}:write:{exc.status}", "marking %s NotFound failed: %s %s %s", name, exc.status,
@@ -359,16 +355,12 @@ class Agent:
     async def _node(self) -> report.Node | None:
         # Plain JSON, not the client's V1Node model: a real Node's status (its images, its
         # conditions) would cost more CPU to build than the request itself, at every scan.
-        response = await self.core.read_node(self.node_name, _preload_content=False)
-        try:
-            body = await response.read()
-        finally:
-            response.release()
-        if response.status == 404:
+        status, body = await self.session.call("GET", f"/api/v1/nodes/{self.node_name}")
+        if status == 404:
             self._log_once("node-missing", "Node %s does not exist; not reporting until it does", self.node_name)
             return None
-        if not 200 <= response.status < 300:
-            raise ApiException(status=response.status, reason=response.reason)
+        if not 200 <= status < 300:
+            raise ApiError(status, "reading the Node", body.decode(errors="replace"))
         self._logged.discard("node-missing")
         metadata = json.loads(body)["metadata"]
         self._node_labels = metadata.get("labels") or {}
@@ -380,7 +372,8 @@ class Agent:
             return 0
         body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "labels": {VFIO_LABEL: value}}}
         with metrics.write(metrics.AGENT_WRITES, "nodes", "apply"):
-            await self.core.patch_node(node.name, body, field_manager=AGENT_MANAGER, force=True, _content_type=APPLY)
+            await self.session.request("PATCH", f"/api/v1/nodes/{node.name}", query={"fieldManager": AGENT_MANAGER, "force": True},
+                                       body=body, content_type=APPLY)  # fmt: skip
         log.info("labelled Node %s %s=%s", node.name, VFIO_LABEL, value)
         return 1
 

@@ -17,14 +17,14 @@ from passthrough.agent import uevent
 from passthrough.agent.handover import Handover
 from passthrough.agent.loop import Agent, AgentError
 from passthrough.durations import DurationError, parse_duration
-from passthrough.k8s import CannotStart, connect
+from passthrough.k8s import CannotStart, session
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger("passthrough.agent")
 
 
 async def _main(args: argparse.Namespace, rescan: float) -> int:
-    api = await connect(args.kubeconfig)
+    api = await session(args.kubeconfig)
     endpoint = None
     try:
         handover = None

@@ -23,7 +23,7 @@ from passthrough.controller import reconciler as rec
 from passthrough.controller.informer import Informer
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, device_sync_inputs, node_device_sync_inputs
 from passthrough.controller.lifecycle import Device, NodeDevice
-from passthrough.k8s import connect
+from passthrough.k8s import session
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     settings.batching.batch_window = 0.02
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    memo.api = await connect(memo.get("kubeconfig"), connections=memo.get("connections", 16))
+    memo.api = await session(memo.get("kubeconfig"), connections=memo.get("connections", 16))
     # The kinds that number in the thousands are cached by our own informers (see informer.py);
     # the few namespaces, nodes, VMs, configs and KubeVirt CRs stay in Kopf's indexes.
     memo.node_devices = Informer(memo.api, NODE_PCI_DEVICE.plural, NodeDevice.of, NODE_DEVICE_INDEXES,

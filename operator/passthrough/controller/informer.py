@@ -11,16 +11,13 @@ change costs its own indexes' keys and one call back, whatever the number of obj
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
-from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
-
 from passthrough.api.models import GROUP, VERSION
 from passthrough.k8s import watch_events
+from passthrough.kubeapi import ApiError, session_of
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")
@@ -81,7 +78,7 @@ class Informer(Generic[V]):
 
     def __init__(
         self,
-        api: client.ApiClient | client.CustomObjectsApi,
+        api: Any,
         plural: str,
         view: Callable[[Mapping[str, Any]], V],
         indexes: Mapping[str, Callable[[V], Mapping[Hashable, Any] | None]],
@@ -90,7 +87,7 @@ class Informer(Generic[V]):
         group: str = GROUP,
         version: str = VERSION,
     ) -> None:
-        self.objects = client.CustomObjectsApi(api) if isinstance(api, client.ApiClient) else api
+        self.session = session_of(api)
         self.plural, self.group, self.version = plural, group, version
         self.view, self.on_change, self.page_size = view, on_change, page_size
         self._index_functions = dict(indexes)
@@ -149,7 +146,7 @@ class Informer(Generic[V]):
                 backoff = self.retry_delay
             except asyncio.CancelledError:
                 raise
-            except ApiException as exc:
+            except ApiError as exc:
                 if exc.status == 410:  # our resourceVersion is too old: list again
                     self._resource_version = ""
                     continue
@@ -165,13 +162,7 @@ class Informer(Generic[V]):
         seen: set[Key] = set()
         token = ""
         while True:
-            response = await self._call(limit=self.page_size, _continue=token or None, _preload_content=False)
-            try:
-                if response.status != 200:
-                    raise ApiException(status=response.status, reason=response.reason)
-                page = json.loads(await response.read())  # no str copy of the bytes, as the client makes
-            finally:
-                response.release()
+            page = await self.session.request("GET", self._path, query={"limit": self.page_size, "continue": token})
             for body in page.get("items") or ():
                 key = self._key(body)
                 seen.add(key)
@@ -185,15 +176,12 @@ class Informer(Generic[V]):
         self._resource_version = metadata.get("resourceVersion", "")
 
     async def _watch(self) -> None:
-        async for kind, body in watch_events(
-            self.objects.list_cluster_custom_object, self.group, self.version, self.plural,
-            resource_version=self._resource_version, allow_watch_bookmarks=True,
-        ):  # fmt: skip
+        async for kind, body in watch_events(self.session, self._path, resourceVersion=self._resource_version, allowWatchBookmarks=True):
             self._resource_version = (body.get("metadata") or {}).get("resourceVersion") or self._resource_version
             if kind == "BOOKMARK":
                 continue
             self._set(self._key(body), None if kind == "DELETED" else body)
 
-    async def _call(self, **kwargs: Any) -> Any:
-        call = self.objects.list_cluster_custom_object
-        return await call(self.group, self.version, self.plural, **{k: v for k, v in kwargs.items() if v is not None})
+    @property
+    def _path(self) -> str:
+        return f"/apis/{self.group}/{self.version}/{self.plural}"

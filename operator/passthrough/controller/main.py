@@ -4,29 +4,63 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-
-import kopf
+from typing import TYPE_CHECKING, Any
 
 from passthrough import metrics
 from passthrough.api.models import NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.durations import DurationError, parse_duration
-from passthrough.k8s import CannotStart, connect, require_crds
+from passthrough.k8s import CannotStart, require_crds, session
+
+if TYPE_CHECKING:
+    import kopf
 
 
 async def _preflight(kubeconfig: str | None) -> None:
-    api = await connect(kubeconfig)
+    api = await session(kubeconfig)
     try:
         await require_crds(api, NODE_PCI_DEVICE.plural, PCI_DEVICE.plural, PASSTHROUGH_CONFIG.plural)
     finally:
         await api.close()
 
 
+@contextlib.contextmanager
+def _without_kubernetes_asyncio() -> Iterator[None]:
+    """Kopf, imported and its handlers registered, without kubernetes_asyncio.
+
+    Kopf recognises that package's model objects and offers a login through it when it is
+    installed, which imports a class for every Kubernetes type: 32 MiB of the operator's
+    memory. Our handlers hand Kopf plain dicts, log in with Kopf's own kubeconfig and service
+    account logins, and our own requests go through passthrough.kubeapi. (A process that
+    already has the package, such as a test's, keeps it.)
+    """
+    if "kubernetes_asyncio" in sys.modules:
+        yield
+        return
+    sys.modules["kubernetes_asyncio"] = None  # type: ignore[assignment]  # an ImportError to Kopf
+    try:
+        yield
+    finally:
+        del sys.modules["kubernetes_asyncio"]
+
+
+def load_kopf() -> Any:
+    """Kopf, and its registry made (which looks for the client libraries when made)."""
+    with _without_kubernetes_asyncio():
+        import kopf
+
+        kopf.get_default_registry()
+    return kopf
+
+
 def run(args: argparse.Namespace) -> int:
+    kopf = load_kopf()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -74,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
+    import kopf
+
     try:
         endpoint = await metrics.serve(metrics.OPERATOR, args.metrics_port, args.metrics_addr)
     except OSError as exc:

@@ -15,13 +15,13 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import aiohttp
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough import metrics
 from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.controller import kubevirt_sync, lifecycle
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.k8s import OPERATOR_MANAGER, Custom, EventRecorder
+from passthrough.kubeapi import ApiError
 from passthrough.kubevirt.render import Rendered
 from passthrough.pci.naming import exclusive_resource_name
 
@@ -187,7 +187,7 @@ class Reconciler:
     def _retry_delay(self, name: Any, exc: BaseException, failures: int) -> float:
         metrics.RECONCILE_FAILURES.labels("kubevirt" if name == KUBEVIRT else "device").inc()
         delay = min(0.5 * 2 ** (failures - 1), 60.0)
-        if isinstance(exc, ApiException):
+        if isinstance(exc, ApiError):
             log.warning("reconciling %s failed (%s %s); retry %d in %.1fs", name, exc.status, exc.reason, failures, delay)
         elif isinstance(exc, (aiohttp.ClientError, OSError, TimeoutError)):
             # The API server away (restarting, a connection cut): the weather, not a bug.
@@ -207,11 +207,17 @@ class Reconciler:
         world = self.world(name)
         plan = lifecycle.decide(world)
         # Writes to one object keep their order (a finalizer before the delete it guards);
-        # writes to different objects (the PCIDevice, the NodePCIDevice) go out together.
+        # writes to different objects (the PCIDevices, the NodePCIDevice) go out together,
+        # except the NodePCIDevice's status, which reports on the PCIDevice: it follows their
+        # writes, so that "Assigned" or "Not assigned" is never read before it is true.
         sequences: dict[tuple[str, str], list[Any]] = {}
+        reports: list[Any] = []
         for write in plan.writes:
             namespace = getattr(write, "namespace", None)
-            sequences.setdefault(("device", namespace) if namespace is not None else ("node-device", ""), []).append(write)
+            if namespace is None and (reports or isinstance(write, lifecycle.ApplyNodeDeviceStatus)):
+                reports.append(write)
+            else:
+                sequences.setdefault(("device", namespace) if namespace is not None else ("node-device", ""), []).append(write)
 
         made: dict[str, str] = {}  # namespace -> uid of a PCIDevice these writes made or changed
 
@@ -225,6 +231,8 @@ class Reconciler:
             return done
 
         expectations = [e for done in await asyncio.gather(*(carry_out(w) for w in sequences.values())) for e in done]
+        if reports:
+            expectations += await carry_out(reports)
         for event in plan.events:
             self._post(name, world, event, made)
         if plan.requeue_after is not None:
@@ -240,7 +248,7 @@ class Reconciler:
             try:
                 with metrics.write(metrics.OPERATOR_WRITES, "pcidevices/status" if status else "pcidevices", "apply"):
                     obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=status)
-            except ApiException as exc:
+            except ApiError as exc:
                 # Deleted (404), or deleted and made anew (409, the uid differs): decide again.
                 if exc.status in (404, 409) and (status or write.body["metadata"].get("uid")):
                     return ("device-gone", write.namespace, "") if exc.status == 404 else None
@@ -261,7 +269,7 @@ class Reconciler:
             try:
                 with metrics.write(metrics.OPERATOR_WRITES, "nodepcidevices/status" if status else "nodepcidevices", "apply"):
                     obj = await self.node_devices.apply(write.body, OPERATOR_MANAGER, status=status)
-            except ApiException as exc:
+            except ApiError as exc:
                 if exc.status in (404, 409):  # deleted (and maybe made anew) meanwhile: decide again
                     return ("node-device-gone", "", "") if exc.status == 404 else None
                 raise

@@ -1,0 +1,38 @@
+"""What the agent and the operator load: no kubernetes_asyncio (32 MiB of models), and no gRPC
+in an agent that serves no device plugins. Each check runs in a fresh interpreter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+OPERATOR_DIR = Path(__file__).resolve().parents[2] / "operator"
+
+
+def loaded(code: str) -> set[str]:
+    probe = code + "\nimport sys\nprint(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(OPERATOR_DIR), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    return set(out.stdout.split())
+
+
+def test_the_agent_loads_neither_kubernetes_asyncio_nor_grpc():
+    modules = loaded("import passthrough.agent.main, passthrough.agent.loop")
+    assert "aiohttp" in modules and "passthrough" in modules
+    assert "kubernetes_asyncio" not in modules and "grpc" not in modules
+
+
+def test_an_agent_that_serves_device_plugins_loads_grpc_when_it_starts_them(tmp_path):
+    modules = loaded(f"from passthrough.agent.handover import Handover\nHandover(sysfs_root={str(tmp_path)!r}, plugin_dir={str(tmp_path)!r})")
+    assert "grpc" in modules and "kubernetes_asyncio" not in modules
+
+
+def test_the_operator_starts_kopf_and_its_handlers_without_kubernetes_asyncio():
+    modules = loaded(
+        "from passthrough.controller import main\n"
+        "main.load_kopf()\n"
+        "from passthrough.controller import handlers\n"
+        "from passthrough.admission import webhook\n"
+    )
+    assert "kopf" in modules and "kubernetes_asyncio" not in modules
