@@ -42,7 +42,7 @@ import psutil  # noqa: E402
 from e2e import cluster, fakesysfs, support  # noqa: E402
 from e2e.bench.bench_agent import gpu_host  # noqa: E402
 from passthrough import metrics  # noqa: E402
-from passthrough.agent.loop import Agent, ScanResult  # noqa: E402
+from passthrough.agent.loop import CONNECTIONS, Agent, ScanResult  # noqa: E402
 from passthrough.k8s import Custom, connect, session  # noqa: E402
 from passthrough.pci.pciids import PciIds  # noqa: E402
 
@@ -85,7 +85,7 @@ class Fleet:
         self.scans: list[list[ScanResult]] = []
 
     async def connect(self) -> None:
-        self.clients = [await session(str(self.kubeconfig)) for _ in self.hosts]  # as `passthrough agent` makes it
+        self.clients = [await session(str(self.kubeconfig), connections=CONNECTIONS) for _ in self.hosts]  # as `passthrough agent` does
 
     def start(self) -> None:
         self.agents = [Agent(api, name, host.sysfs, host.proc, self.pci_ids, rescan_interval=3600)

@@ -47,6 +47,11 @@ def api_message(exc: ApiError) -> str:
     """What the API server said, from a Status body (the reason alone says little: 422, 409)."""
     return exc.message
 
+# Connections to the API server: its two watches, four writes at once, and the rest (its
+# Node, Events). Each is a TLS handshake for the API server at every agent's start, which a
+# thousand nodes starting at once (a cluster's restart) pay together.
+CONNECTIONS = 8
+WRITES_AT_ONCE = 4
 SCAN_TIMEOUT = 60.0  # seconds one scan may take, its API requests included
 HELD_RECHECK = 5.0  # seconds between asking the kubelet whether a device to give back is still held
 
@@ -72,7 +77,7 @@ class Agent:
         proc_root: Path = Path("/proc"),
         pci_ids: PciIds | None = None,
         rescan_interval: float = 300,
-        concurrency: int = 8,
+        concurrency: int = WRITES_AT_ONCE,
         handover: Handover | None = None,
     ) -> None:
         if not node_name:

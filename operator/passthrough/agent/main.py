@@ -15,7 +15,7 @@ from pathlib import Path
 from passthrough import metrics
 from passthrough.agent import uevent
 from passthrough.agent.handover import Handover
-from passthrough.agent.loop import Agent, AgentError
+from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
 from passthrough.durations import DurationError, parse_duration
 from passthrough.k8s import CannotStart, session
 from passthrough.pci.pciids import PciIds
@@ -24,7 +24,7 @@ log = logging.getLogger("passthrough.agent")
 
 
 async def _main(args: argparse.Namespace, rescan: float) -> int:
-    api = await session(args.kubeconfig)
+    api = await session(args.kubeconfig, connections=CONNECTIONS)
     endpoint = None
     try:
         handover = None
