@@ -48,7 +48,6 @@ from passthrough.api.models import API_VERSION, GROUP, VERSION  # noqa: E402
 from passthrough.controller import lifecycle  # noqa: E402
 from passthrough.controller.informer import Informer  # noqa: E402
 from passthrough.k8s import AGENT_MANAGER, OPERATOR_MANAGER, Custom, connect  # noqa: E402
-from passthrough.kubeapi import MERGE_PATCH, session_of  # noqa: E402
 
 OURS = ("pcidevices", "nodepcidevices")
 PER_NODE = 100
@@ -202,12 +201,6 @@ def operator_writes(record: dict, namespace: str = "") -> list:
 FLOOR_ANNOTATION = "bench.passthrough.io/floor"  # what the floor's admin write sets: the same verb, a field no one reads
 
 
-async def merge(api, name: str, patch: dict) -> None:
-    """A merge patch of a NodePCIDevice, as `kubectl patch --type=merge` sends it (a plain
-    client: the generated client's models would make the benchmark the bottleneck)."""
-    await session_of(api).request("PATCH", f"/apis/{GROUP}/{VERSION}/nodepcidevices/{name}", body=patch, content_type=MERGE_PATCH)
-
-
 def admin_write(name: str, namespace: str) -> tuple[str, dict]:
     return ("admin", {"name": name, "namespace": namespace})
 
@@ -220,7 +213,8 @@ async def floor_of(api, bodies: list[list]) -> float:
     async def one(writes: list) -> None:
         for kind, body in writes:
             if kind == "admin":  # the admin's spec write, as the burst makes it, turned aside
-                await merge(api, body["name"], {"metadata": {"annotations": {FLOOR_ANNOTATION: body["namespace"]}}})
+                annotation = {"metadata": {"annotations": {FLOOR_ANNOTATION: body["namespace"]}}}
+                await support.merge_node_device(api, body["name"], annotation)
                 continue
             custom, status = kinds[kind]
             await custom.apply(body, "bench-floor", status=status)
@@ -282,7 +276,7 @@ async def one_burst(api, cluster, operator, watched, fleet, namespaces: list[str
     written_at = {}
 
     async def assign_one(i: int, name: str) -> None:
-        await merge(api, name, {"spec": {"assignedNamespace": namespaces[i % 10]}})
+        await support.assign(api, name, namespaces[i % 10])
         written_at[name] = time.monotonic()
 
     await asyncio.gather(*(assign_one(i, n) for i, n in enumerate(burst)))

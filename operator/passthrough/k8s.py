@@ -379,10 +379,11 @@ class EventRecorder:
             return False
         namespace, name, count = seen
         patch = {"count": count + 1, "lastTimestamp": stamp}
-        status, _ = await self.session.call(
-            "PATCH", f"/api/v1/namespaces/{namespace}/events/{name}", body=patch, content_type=MERGE_PATCH, timeout=30
-        )
-        if not 200 <= status < 300:
+        try:
+            await self.session.request(
+                "PATCH", f"/api/v1/namespaces/{namespace}/events/{name}", body=patch, content_type=MERGE_PATCH, timeout=30
+            )
+        except ApiError:
             # Gone (expired), or not ours to patch (RBAC of an older chart): a new one.
             self._posted.pop(key, None)
             return False

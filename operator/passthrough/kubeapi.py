@@ -82,6 +82,8 @@ class Session:
         # Trusting the environment, aiohttp reads ~/.netrc and the proxy variables in a worker
         # thread for every request: a tenth of the operator's CPU in a burst. The server is one
         # and known, so its proxy (if the environment names one) is looked up once, here.
+        if self.proxy:  # named by the configuration: it stands
+            return
         with contextlib.suppress(LookupError):
             proxy, auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(self.host))
             self.proxy = str(proxy)
@@ -121,15 +123,6 @@ class Session:
         if self._headers is not None:
             headers.update(await self._headers())
         return headers
-
-    async def call(
-        self, method: str, path: str, *, query: Mapping[str, Any] | None = None, body: Any = None,
-        content_type: str = JSON, timeout: float | None = DEFAULT_TIMEOUT,
-    ) -> tuple[int, bytes]:  # fmt: skip
-        """(status, body) of one request, whatever the status."""
-        headers = await self._all_headers()
-        async with self._request(method, path, query, body, content_type, headers, aiohttp.ClientTimeout(total=timeout)) as response:
-            return response.status, await response.read()
 
     async def request(
         self, method: str, path: str, *, query: Mapping[str, Any] | None = None, body: Any = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +41,6 @@ from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger(__name__)
 
-
-def api_message(exc: ApiError) -> str:
-    """What the API server said, from a Status body (the reason alone says little: 422, 409)."""
-    return exc.message
 
 # Connections to the API server: its two watches, four writes at once, and the rest (its
 # Node, Events). Each is a TLS handshake for the API server at every agent's start, which a
@@ -328,7 +323,7 @@ class Agent:
         except ApiError as exc:
             result.failed.append(name)
             self._log_once(f"{name}:write:{exc.status}", "writing %s (%s) failed: %s %s %s", name, device.address,
-                           exc.status, exc.reason, api_message(exc))
+                           exc.status, exc.reason, exc.message)
 
     async def _report_missing(self, name: str, live: dict[str, Any], result: ScanResult) -> None:
         result.missing += 1
@@ -348,7 +343,7 @@ class Agent:
             if exc.status != 404:  # already deleted by the operator or the garbage collector
                 result.failed.append(name)
                 self._log_once(f"{name}:write:{exc.status}", "marking %s NotFound failed: %s %s %s", name, exc.status,
-                               exc.reason, api_message(exc))
+                               exc.reason, exc.message)
 
     async def _apply(self, body: dict[str, Any], status: bool) -> dict[str, Any]:
         async with self._limit:
@@ -360,14 +355,14 @@ class Agent:
     async def _node(self) -> report.Node | None:
         # Plain JSON, not the client's V1Node model: a real Node's status (its images, its
         # conditions) would cost more CPU to build than the request itself, at every scan.
-        status, body = await self.session.call("GET", f"/api/v1/nodes/{self.node_name}")
-        if status == 404:
-            self._log_once("node-missing", "Node %s does not exist; not reporting until it does", self.node_name)
-            return None
-        if not 200 <= status < 300:
-            raise ApiError(status, "reading the Node", body.decode(errors="replace"))
+        try:
+            metadata = (await self.session.request("GET", f"/api/v1/nodes/{self.node_name}"))["metadata"]
+        except ApiError as exc:
+            if exc.status == 404:
+                self._log_once("node-missing", "Node %s does not exist; not reporting until it does", self.node_name)
+                return None
+            raise
         self._logged.discard("node-missing")
-        metadata = json.loads(body)["metadata"]
         self._node_labels = metadata.get("labels") or {}
         return report.Node(name=self.node_name, uid=metadata["uid"])
 
