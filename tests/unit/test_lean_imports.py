@@ -10,17 +10,33 @@ from pathlib import Path
 OPERATOR_DIR = Path(__file__).resolve().parents[2] / "operator"
 
 
-def loaded(code: str) -> set[str]:
-    probe = code + "\nimport sys\nprint(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+def modules(code: str) -> set[str]:
+    """Every module `code` leaves loaded, by its full name."""
+    probe = code + "\nimport sys\nprint(' '.join(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(OPERATOR_DIR), "PATH": "/usr/bin:/bin"})  # fmt: skip
     return set(out.stdout.split())
+
+
+def loaded(code: str) -> set[str]:
+    """The top-level packages `code` leaves loaded."""
+    return {m.split(".")[0] for m in modules(code)}
 
 
 def test_the_agent_loads_neither_kubernetes_asyncio_nor_grpc():
     modules = loaded("import passthrough.agent.main, passthrough.agent.loop")
     assert "aiohttp" in modules and "passthrough" in modules
     assert "kubernetes_asyncio" not in modules and "grpc" not in modules
+
+
+def test_the_agent_imports_no_controller_code(tmp_path):
+    agent = modules(
+        "import passthrough.agent.main, passthrough.agent.loop\n"
+        "from passthrough.agent.handover import Handover\n"
+        f"Handover(sysfs_root={str(tmp_path)!r}, plugin_dir={str(tmp_path)!r})"
+    )
+    assert "passthrough.agent.loop" in agent and "passthrough.deviceplugin.server" in agent
+    assert not {m for m in agent if m == "passthrough.controller" or m.startswith("passthrough.controller.")}
 
 
 def test_an_agent_that_serves_device_plugins_loads_grpc_when_it_starts_them(tmp_path):

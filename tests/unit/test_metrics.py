@@ -19,14 +19,17 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from kubernetes_asyncio import client
 from passthrough.kubeapi import ApiError
 
 from e2e.fakekernel import FakeKernel
 from e2e.fakesysfs import gpu_node
 from passthrough import metrics
+from passthrough.agent import metrics as agent_metrics
 from passthrough.agent.handover import Handover
 from passthrough.agent.plan import Plan
+from passthrough.controller import metrics as operator_metrics
 from passthrough.controller import reconciler as rec
 from passthrough.controller.lifecycle import NodeDevice
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
@@ -72,7 +75,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 def exported() -> set[str]:
-    return metrics.names(metrics.OPERATOR) | metrics.names(metrics.AGENT)
+    return metrics.names(operator_metrics.OPERATOR) | metrics.names(agent_metrics.AGENT)
 
 
 def test_the_query_parser_finds_metric_names_and_nothing_else():
@@ -92,7 +95,7 @@ def test_every_dashboard_query_names_only_metrics_the_code_exports():
 
 def test_every_metric_of_ours_has_a_panel():
     read = {name for _, expr in dashboard_queries() for name in metric_names(expr)}
-    families = {f.name for registry in (metrics.OPERATOR, metrics.AGENT) for f in registry.collect() if f.name.startswith("passthrough_")}
+    families = {f.name for registry in (operator_metrics.OPERATOR, agent_metrics.AGENT) for f in registry.collect() if f.name.startswith("passthrough_")}
     # A family is on the dashboard when one of its series is (a histogram through _bucket or _count).
     missing = {f for f in families if not any(name == f or name.startswith(f + "_") for name in read)}
     assert not missing, f"metrics without a panel: {sorted(missing)}"
@@ -109,7 +112,7 @@ def test_dashboard_panels_have_unique_ids_and_read_the_datasource_variable():
 
 
 def test_names_follow_the_conventions():
-    for registry in (metrics.OPERATOR, metrics.AGENT):
+    for registry in (operator_metrics.OPERATOR, agent_metrics.AGENT):
         for family in registry.collect():
             if not family.name.startswith("passthrough_"):
                 continue
@@ -130,18 +133,18 @@ def value(registry, name: str, **labels) -> float:
 
 async def test_a_write_is_counted_by_how_it_was_answered():
     name, labels = "passthrough_operator_api_writes_total", {"resource": "pcidevices", "verb": "delete"}
-    before = {code: value(metrics.OPERATOR, name, **labels, code=code) for code in ("2xx", "409", "422", "none")}
-    with metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete"):
+    before = {code: value(operator_metrics.OPERATOR, name, **labels, code=code) for code in ("2xx", "409", "422", "none")}
+    with metrics.write(operator_metrics.OPERATOR_WRITES, "pcidevices", "delete"):
         pass
-    with metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete") as answer:
+    with metrics.write(operator_metrics.OPERATOR_WRITES, "pcidevices", "delete") as answer:
         answer.status(409)  # Custom.delete returns its 404 and 409
-    with pytest.raises(ApiError), metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete"):
+    with pytest.raises(ApiError), metrics.write(operator_metrics.OPERATOR_WRITES, "pcidevices", "delete"):
         raise ApiError(422, "Unprocessable Entity")
-    with pytest.raises(aiohttp.ServerDisconnectedError), metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete"):
+    with pytest.raises(aiohttp.ServerDisconnectedError), metrics.write(operator_metrics.OPERATOR_WRITES, "pcidevices", "delete"):
         raise aiohttp.ServerDisconnectedError()
-    with pytest.raises(asyncio.CancelledError), metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete"):
+    with pytest.raises(asyncio.CancelledError), metrics.write(operator_metrics.OPERATOR_WRITES, "pcidevices", "delete"):
         raise asyncio.CancelledError()  # not a write that was answered, nor one that failed
-    after = {code: value(metrics.OPERATOR, name, **labels, code=code) for code in before}
+    after = {code: value(operator_metrics.OPERATOR, name, **labels, code=code) for code in before}
     assert {code: after[code] - before[code] for code in before} == {"2xx": 1, "409": 1, "422": 1, "none": 1}
 
 
@@ -173,8 +176,8 @@ async def test_devices_assignments_and_the_work_queue_are_read_from_the_reconcil
         reconciler.queue.add("b")
         await reconciler.queue.get()  # "a" is being reconciled
         reconciler.queue.add_after("c", 60)
-        collector = metrics.OperatorCollector()
-        registry = metrics.CollectorRegistry()
+        collector = operator_metrics.OperatorCollector()
+        registry = CollectorRegistry()
         registry.register(collector)
         assert value(registry, "passthrough_operator_workqueue_depth") == 0  # nothing to read yet: no series
         collector.reconciler = lambda: reconciler
@@ -202,10 +205,10 @@ async def test_devices_assignments_and_the_work_queue_are_read_from_the_reconcil
 async def test_binds_and_give_backs_are_counted_with_their_failures_by_reason(tmp_path, plugin_dir):  # noqa: F811
     def counts() -> dict[str, float]:
         return {
-            "bound": value(metrics.AGENT, "passthrough_agent_vfio_binds_total"),
-            "given back": value(metrics.AGENT, "passthrough_agent_vfio_give_backs_total"),
-            "bind refused": value(metrics.AGENT, "passthrough_agent_vfio_bind_failures_total", reason="UnbindRefused"),
-            "give-back refused": value(metrics.AGENT, "passthrough_agent_vfio_give_back_failures_total", reason="UnbindRefused"),
+            "bound": value(agent_metrics.AGENT, "passthrough_agent_vfio_binds_total"),
+            "given back": value(agent_metrics.AGENT, "passthrough_agent_vfio_give_backs_total"),
+            "bind refused": value(agent_metrics.AGENT, "passthrough_agent_vfio_bind_failures_total", reason="UnbindRefused"),
+            "give-back refused": value(agent_metrics.AGENT, "passthrough_agent_vfio_give_back_failures_total", reason="UnbindRefused"),
         }
 
     gpu, audio, other_gpu, other_audio = "0000:3b:00.0", "0000:3b:00.1", "0000:af:00.0", "0000:af:00.1"
@@ -234,7 +237,7 @@ async def test_binds_and_give_backs_are_counted_with_their_failures_by_reason(tm
 
 async def test_allocations_are_counted_by_resource_kind_and_result(plugin_dir):  # noqa: F811
     name = "passthrough_agent_device_plugin_allocations_total"
-    before = {(k, r): value(metrics.AGENT, name, kind=k, result=r) for k in ("pool", "exclusive") for r in ("ok", "refused")}
+    before = {(k, r): value(agent_metrics.AGENT, name, kind=k, result=r) for k in ("pool", "exclusive") for r in ("ok", "refused")}
     pool, exclusive = DevicePlugin(A10, plugin_dir, [GPU0, GPU1]), DevicePlugin(NIC, plugin_dir, [NIC0])
     await pool.start()
     await exclusive.start()
@@ -250,7 +253,7 @@ async def test_allocations_are_counted_by_resource_kind_and_result(plugin_dir): 
     finally:
         await pool.stop()
         await exclusive.stop()
-    after = {key: value(metrics.AGENT, name, kind=key[0], result=key[1]) for key in before}
+    after = {key: value(agent_metrics.AGENT, name, kind=key[0], result=key[1]) for key in before}
     assert {key: after[key] - before[key] for key in before} == {
         ("pool", "ok"): 2, ("pool", "refused"): 0, ("exclusive", "ok"): 0, ("exclusive", "refused"): 1,
     }  # fmt: skip
@@ -258,12 +261,12 @@ async def test_allocations_are_counted_by_resource_kind_and_result(plugin_dir): 
 
 async def test_registrations_and_the_plugins_state_are_counted(plugin_dir):  # noqa: F811
     registrations, failures = "passthrough_agent_device_plugin_registrations_total", "passthrough_agent_device_plugin_registration_failures_total"
-    before = value(metrics.AGENT, registrations), value(metrics.AGENT, failures)
+    before = value(agent_metrics.AGENT, registrations), value(agent_metrics.AGENT, failures)
     kubelet = FakeKubelet(plugin_dir, refuse=1)
     await kubelet.start()
     manager = PluginManager(plugin_dir, poll_interval=0.05)
-    collector = metrics.AgentCollector()
-    registry = metrics.CollectorRegistry()
+    collector = agent_metrics.AgentCollector()
+    registry = CollectorRegistry()
     registry.register(collector)
     collector.plugins = lambda: manager
     state = lambda kind, s: registry.get_sample_value("passthrough_agent_device_plugins", {"kind": kind, "state": s})  # noqa: E731
@@ -282,8 +285,8 @@ async def test_registrations_and_the_plugins_state_are_counted(plugin_dir):  # n
         if runner is not None:
             await asyncio.wait_for(runner, 2)
         await kubelet.stop()
-    assert value(metrics.AGENT, registrations) - before[0] == 2
-    assert value(metrics.AGENT, failures) - before[1] == 1
+    assert value(agent_metrics.AGENT, registrations) - before[0] == 2
+    assert value(agent_metrics.AGENT, failures) - before[1] == 1
 
 
 # -- the endpoint ----------------------------------------------------------------------------------
@@ -297,7 +300,7 @@ def _free_port() -> int:
 
 async def test_the_endpoint_serves_the_registry_in_either_format():
     port = _free_port()
-    endpoint = await metrics.serve(metrics.AGENT, port, "127.0.0.1")
+    endpoint = await metrics.serve(agent_metrics.AGENT, port, "127.0.0.1")
     try:
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/metrics") as answer:
@@ -317,9 +320,9 @@ async def test_the_endpoint_serves_the_registry_in_either_format():
 
 
 async def test_port_0_serves_nothing_and_a_taken_port_is_an_error():
-    assert await metrics.serve(metrics.OPERATOR, 0) is None
+    assert await metrics.serve(operator_metrics.OPERATOR, 0) is None
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(OSError):
-            await metrics.serve(metrics.OPERATOR, taken.getsockname()[1], "127.0.0.1")
+            await metrics.serve(operator_metrics.OPERATOR, taken.getsockname()[1], "127.0.0.1")

@@ -16,7 +16,7 @@ from typing import Any
 
 import kopf
 
-from passthrough import metrics
+from passthrough.controller import metrics
 from passthrough.admission import rules
 from passthrough.controller.lifecycle import Device
 from passthrough.controller.reconciler import DEVICES

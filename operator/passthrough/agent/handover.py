@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from passthrough import metrics
+from passthrough.agent import metrics
 from passthrough.agent.plan import Plan, Served
 from passthrough.deviceplugin.allocation import PluginDevice
 from passthrough.pci import vfio

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from passthrough import metrics
+from passthrough.agent import metrics
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.handover import Handover, Outcome
@@ -347,7 +347,7 @@ class Agent:
 
     async def _apply(self, body: dict[str, Any], status: bool) -> dict[str, Any]:
         async with self._limit:
-            with metrics.write(metrics.AGENT_WRITES, "nodepcidevices/status" if status else "nodepcidevices", "apply"):
+            with metrics.write("nodepcidevices/status" if status else "nodepcidevices", "apply"):
                 written = await self.devices.apply(body, AGENT_MANAGER, status=status)
         self.mirror.store(written)
         return written
@@ -371,7 +371,7 @@ class Agent:
         if self._node_labels.get(VFIO_LABEL) == value:
             return 0
         body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "labels": {VFIO_LABEL: value}}}
-        with metrics.write(metrics.AGENT_WRITES, "nodes", "apply"):
+        with metrics.write("nodes", "apply"):
             await self.session.request("PATCH", f"/api/v1/nodes/{node.name}", query={"fieldManager": AGENT_MANAGER, "force": True},
                                        body=body, content_type=APPLY)  # fmt: skip
         log.info("labelled Node %s %s=%s", node.name, VFIO_LABEL, value)

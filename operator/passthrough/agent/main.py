@@ -16,6 +16,7 @@ from passthrough import metrics
 from passthrough.agent import uevent
 from passthrough.agent.handover import Handover
 from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
+from passthrough.agent.metrics import AGENT, AGENT_STATE
 from passthrough.durations import DurationError, parse_duration
 from passthrough.k8s import CannotStart, session
 from passthrough.pci.pciids import PciIds
@@ -45,9 +46,9 @@ async def _main(args: argparse.Namespace, rescan: float) -> int:
             rescan_interval=rescan,
             handover=handover,
         )
-        metrics.AGENT_STATE.plugins = lambda: handover.plugins if handover is not None else None
+        AGENT_STATE.plugins = lambda: handover.plugins if handover is not None else None
         try:
-            endpoint = await metrics.serve(metrics.AGENT, args.metrics_port, args.metrics_addr)
+            endpoint = await metrics.serve(AGENT, args.metrics_port, args.metrics_addr)
         except OSError as exc:
             raise AgentError(f"--metrics-port {args.metrics_port}: {exc}") from None
         loop = asyncio.get_running_loop()

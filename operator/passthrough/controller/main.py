@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from passthrough import metrics
 from passthrough.api.models import NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
+from passthrough.controller.metrics import OPERATOR, OPERATOR_STATE
 from passthrough.durations import DurationError, parse_duration
 from passthrough.k8s import CannotStart, require_crds, session
 
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     memo = kopf.Memo(
         kubeconfig=args.kubeconfig, grace=datetime.timedelta(seconds=grace), workers=args.workers, webhook_server=webhook_server
     )
-    metrics.OPERATOR_STATE.reconciler = lambda: memo.get("reconciler")  # made by handlers.startup
+    OPERATOR_STATE.reconciler = lambda: memo.get("reconciler")  # made by handlers.startup
     return asyncio.run(_operate(memo, args))
 
 
@@ -111,7 +112,7 @@ async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
     import kopf
 
     try:
-        endpoint = await metrics.serve(metrics.OPERATOR, args.metrics_port, args.metrics_addr)
+        endpoint = await metrics.serve(OPERATOR, args.metrics_port, args.metrics_addr)
     except OSError as exc:
         print(f"passthrough operator: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
         return 1

@@ -11,14 +11,13 @@ import asyncio
 import datetime
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import aiohttp
 
-from passthrough import metrics
 from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
-from passthrough.controller import kubevirt_sync, lifecycle
+from passthrough.controller import kubevirt_sync, lifecycle, metrics
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.k8s import OPERATOR_MANAGER, Custom, EventRecorder
 from passthrough.kubeapi import ApiError
@@ -140,6 +139,14 @@ class Reconciler:
             return True
         return bool(_values(nodes, npci.node_name))
 
+    def node_devices_known(self) -> Iterator[lifecycle.NodeDevice]:
+        """Every NodePCIDevice the indexes hold (for the metrics, at scrape time)."""
+        return (store[0] for store in self.indices[NODE_DEVICES].values() if store)
+
+    def assignments(self) -> Mapping[str, Any]:
+        """Namespace -> the names of the devices assigned to it."""
+        return self.indices[DEVICES_BY_NAMESPACE]
+
     def world(self, name: str) -> lifecycle.World:
         node_devices = _values(self.indices[NODE_DEVICES], name)
         devices = tuple(sorted(_values(self.indices[DEVICES], name), key=lambda d: d.namespace))
@@ -246,7 +253,7 @@ class Reconciler:
         if isinstance(write, lifecycle.ApplyDevice | lifecycle.ApplyDeviceStatus):
             status = isinstance(write, lifecycle.ApplyDeviceStatus)
             try:
-                with metrics.write(metrics.OPERATOR_WRITES, "pcidevices/status" if status else "pcidevices", "apply"):
+                with metrics.write("pcidevices/status" if status else "pcidevices", "apply"):
                     obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=status)
             except ApiError as exc:
                 # Deleted (404), or deleted and made anew (409, the uid differs): decide again.
@@ -257,7 +264,7 @@ class Reconciler:
                 made[write.namespace] = obj["metadata"]["uid"]
             return _expect("device", write.namespace, obj)
         if isinstance(write, lifecycle.DeleteDevice):
-            with metrics.write(metrics.OPERATOR_WRITES, "pcidevices", "delete") as counted:
+            with metrics.write("pcidevices", "delete") as counted:
                 answer = await self.devices.delete(name, write.namespace, uid=write.uid, resource_version=write.resource_version)
                 counted.status(answer)
             if answer == 409:
@@ -267,7 +274,7 @@ class Reconciler:
         if isinstance(write, lifecycle.ApplyNodeDeviceFinalizer | lifecycle.ApplyNodeDeviceStatus):
             status = isinstance(write, lifecycle.ApplyNodeDeviceStatus)
             try:
-                with metrics.write(metrics.OPERATOR_WRITES, "nodepcidevices/status" if status else "nodepcidevices", "apply"):
+                with metrics.write("nodepcidevices/status" if status else "nodepcidevices", "apply"):
                     obj = await self.node_devices.apply(write.body, OPERATOR_MANAGER, status=status)
             except ApiError as exc:
                 if exc.status in (404, 409):  # deleted (and maybe made anew) meanwhile: decide again
@@ -275,7 +282,7 @@ class Reconciler:
                 raise
             return _expect("node-device", "", obj)
         if isinstance(write, lifecycle.DeleteNodeDevice):
-            with metrics.write(metrics.OPERATOR_WRITES, "nodepcidevices", "delete") as counted:
+            with metrics.write("nodepcidevices", "delete") as counted:
                 answer = await self.node_devices.delete(name, uid=write.uid, resource_version=write.resource_version)
                 counted.status(answer)
             if answer == 409:
@@ -315,7 +322,7 @@ class Reconciler:
         self.unapplied = plan.unapplied
         expectations = []
         if plan.apply is not None:
-            with metrics.write(metrics.OPERATOR_WRITES, "kubevirts", "apply"):  # applies and failures: by code
+            with metrics.write("kubevirts", "apply"):  # applies and failures: by code
                 written = await self.kubevirts.apply(plan.apply, OPERATOR_MANAGER)
             self.writes += 1
             log.info("applied permittedHostDevices and feature gates to KubeVirt %s/%s",
@@ -323,7 +330,7 @@ class Reconciler:
             expectations.append(("kubevirt", written["metadata"]["namespace"], written["metadata"]["name"],
                                   written["metadata"]["resourceVersion"]))
         if plan.status is not None:
-            with metrics.write(metrics.OPERATOR_WRITES, "passthroughconfigs/status", "apply"):
+            with metrics.write("passthroughconfigs/status", "apply"):
                 written = await self.configs.apply(plan.status, OPERATOR_MANAGER, status=True)
             self.writes += 1
             expectations.append(("config", "", CONFIG_NAME, written["metadata"]["resourceVersion"]))

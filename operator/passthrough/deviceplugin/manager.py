@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from passthrough import metrics
+from passthrough.agent import metrics
 from passthrough.deviceplugin.allocation import VFIO_DIR, PluginDevice
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from passthrough import metrics
+from passthrough.agent import metrics
 from passthrough.deviceplugin.allocation import VFIO_DIR, AllocationError, PluginDevice, allocate_response, preferred_allocation
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc
