@@ -32,8 +32,10 @@ from e2e import build, invariants, support
 from e2e.cluster import LocalCluster, prepare
 from e2e.fakesysfs import HOST_BRIDGE, FakeHost
 from e2e.processes import AgentProcess, OperatorProcess
-from passthrough.k8s import NODE_LABEL, Custom, connect
-from passthrough.kubeapi import ApiError
+from passthrough.api.labels import NODE_LABEL
+from passthrough.kube.connect import connect
+from passthrough.kube.custom import Custom
+from passthrough.kube.client import ApiError
 from passthrough.pci.naming import node_pci_device_name
 
 REPO = Path(__file__).resolve().parent.parent

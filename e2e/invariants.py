@@ -34,8 +34,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.api.models import CONFIG_NAME
 from passthrough.controller.lifecycle import FINALIZER
-from passthrough.k8s import Custom
-from passthrough.kubeapi import ApiError
+from passthrough.kube.custom import Custom
+from passthrough.kube.client import ApiError
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN, exclusive_resource_name
 
 EXCLUSIVE_PREFIX = EXCLUSIVE_DOMAIN + "/"

@@ -22,8 +22,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.agent import report
 from passthrough.api.models import GROUP, NODE_PCI_DEVICE, VERSION
-from passthrough.k8s import AGENT_MANAGER, NODE_LABEL, Custom
-from passthrough.kubeapi import MERGE_PATCH, session_of
+from passthrough.api.labels import NODE_LABEL
+from passthrough.kube.custom import AGENT_MANAGER, Custom
+from passthrough.kube.client import MERGE_PATCH, session_of
 from passthrough.pci.discovery import Device
 
 WRITE_VERBS = ("APPLY", "PATCH", "POST", "PUT", "DELETE")

@@ -42,7 +42,8 @@ from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import chart, cluster, support  # noqa: E402
 from e2e.processes import OperatorProcess, WebhookServing  # noqa: E402
-from passthrough.k8s import Custom, connect  # noqa: E402
+from passthrough.kube.connect import connect  # noqa: E402
+from passthrough.kube.custom import Custom  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "bench-admission"

@@ -41,7 +41,9 @@ import psutil  # noqa: E402
 from e2e import cluster, fakesysfs, processes, support  # noqa: E402
 from passthrough.agent import uevent  # noqa: E402
 from passthrough.agent.loop import Agent  # noqa: E402
-from passthrough.k8s import NODE_LABEL, Custom, connect  # noqa: E402
+from passthrough.api.labels import NODE_LABEL  # noqa: E402
+from passthrough.kube.connect import connect  # noqa: E402
+from passthrough.kube.custom import Custom  # noqa: E402
 from passthrough.pci.discovery import discover  # noqa: E402
 from passthrough.pci.naming import node_pci_device_name  # noqa: E402
 from passthrough.pci.pciids import PciIds  # noqa: E402

@@ -92,7 +92,9 @@ from e2e.processes import AgentProcess  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api_pb  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc  # noqa: E402
 from passthrough.deviceplugin.server import socket_name  # noqa: E402
-from passthrough.k8s import NODE_LABEL, Custom, connect  # noqa: E402
+from passthrough.api.labels import NODE_LABEL  # noqa: E402
+from passthrough.kube.connect import connect  # noqa: E402
+from passthrough.kube.custom import Custom  # noqa: E402
 from passthrough.pci import vfio  # noqa: E402
 from passthrough.pci.naming import exclusive_resource_name  # noqa: E402
 

@@ -43,7 +43,8 @@ from e2e import cluster, fakesysfs, support  # noqa: E402
 from e2e.bench.bench_agent import gpu_host  # noqa: E402
 from passthrough.agent import metrics  # noqa: E402
 from passthrough.agent.loop import CONNECTIONS, Agent, ScanResult  # noqa: E402
-from passthrough.k8s import Custom, connect, session  # noqa: E402
+from passthrough.kube.connect import connect, session  # noqa: E402
+from passthrough.kube.custom import Custom  # noqa: E402
 from passthrough.pci.pciids import PciIds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

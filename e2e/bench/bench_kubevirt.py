@@ -42,7 +42,9 @@ from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import cluster, support  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
-from passthrough.k8s import Custom, Mirror, connect  # noqa: E402
+from passthrough.kube.cache import Mirror  # noqa: E402
+from passthrough.kube.connect import connect  # noqa: E402
+from passthrough.kube.custom import Custom  # noqa: E402
 
 NAMESPACE = "kubevirt"
 MERGE = "application/merge-patch+json"

@@ -47,7 +47,8 @@ from passthrough.agent import report  # noqa: E402
 from passthrough.api.models import API_VERSION, GROUP, VERSION  # noqa: E402
 from passthrough.controller import lifecycle  # noqa: E402
 from passthrough.controller.informer import Informer  # noqa: E402
-from passthrough.k8s import AGENT_MANAGER, OPERATOR_MANAGER, Custom, connect  # noqa: E402
+from passthrough.kube.connect import connect  # noqa: E402
+from passthrough.kube.custom import AGENT_MANAGER, OPERATOR_MANAGER, Custom  # noqa: E402
 
 OURS = ("pcidevices", "nodepcidevices")
 PER_NODE = 100

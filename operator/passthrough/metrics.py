@@ -27,7 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 
-from passthrough.kubeapi import ApiError
+from passthrough.kube.client import ApiError
 
 # `_created` series double every counter and histogram and no dashboard here reads them.
 disable_created_metrics()

@@ -11,7 +11,7 @@ from kubernetes_asyncio import client
 
 from e2e import chart, support
 from e2e.processes import OperatorProcess
-from passthrough.k8s import connect
+from passthrough.kube.connect import connect
 
 pytestmark = pytest.mark.cluster
 

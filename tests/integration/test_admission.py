@@ -27,7 +27,7 @@ from e2e import chart, support
 from e2e.identities import user_kubeconfig
 from e2e.processes import OperatorProcess, WebhookServing
 from passthrough.admission import webhook
-from passthrough.k8s import Custom
+from passthrough.kube.custom import Custom
 
 pytestmark = pytest.mark.cluster
 CHART = Path(__file__).resolve().parents[2] / "charts/passthrough-operator"

@@ -15,7 +15,8 @@ from kubernetes_asyncio import client
 from e2e import fakesysfs, support
 from passthrough.agent import report
 from passthrough.agent.loop import Agent
-from passthrough.k8s import AGENT_MANAGER, NODE_LABEL, VFIO_LABEL, Custom
+from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
+from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.pci.naming import node_pci_device_name
 from passthrough.pci.pciids import PciIds
 

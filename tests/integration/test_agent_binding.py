@@ -15,7 +15,8 @@ from kubernetes_asyncio import client
 from e2e import fakesysfs, support
 from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess
-from passthrough.k8s import NODE_LABEL, Custom
+from passthrough.api.labels import NODE_LABEL
+from passthrough.kube.custom import Custom
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]

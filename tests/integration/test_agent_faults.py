@@ -11,7 +11,8 @@ import pytest
 from e2e import fakesysfs, support
 from e2e.processes import AgentProcess
 from e2e.proxy import FlakyProxy
-from passthrough.k8s import NODE_LABEL, Custom
+from passthrough.api.labels import NODE_LABEL
+from passthrough.kube.custom import Custom
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]

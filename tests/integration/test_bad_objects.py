@@ -22,8 +22,9 @@ from kubernetes_asyncio import client
 
 from e2e import support
 from passthrough.api.models import MAX_GRACE_SECONDS
-from passthrough.k8s import AGENT_MANAGER, NODE_LABEL, Custom
-from passthrough.kubeapi import ApiError
+from passthrough.api.labels import NODE_LABEL
+from passthrough.kube.custom import AGENT_MANAGER, Custom
+from passthrough.kube.client import ApiError
 
 pytestmark = pytest.mark.cluster
 MERGE = "application/merge-patch+json"

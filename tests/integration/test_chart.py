@@ -30,7 +30,8 @@ from e2e.processes import OperatorProcess, WebhookServing
 from passthrough.api import crds
 from passthrough.api.models import PassthroughConfigSpec
 from passthrough.controller.lifecycle import FINALIZER
-from passthrough.k8s import NODE_LABEL, VFIO_LABEL, Custom
+from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
+from passthrough.kube.custom import Custom
 from passthrough.kubevirt.values import parse_values
 from passthrough.pci.naming import exclusive_resource_name
 

@@ -18,7 +18,8 @@ from kubernetes_asyncio import client
 from e2e import fakesysfs, support
 from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess
-from passthrough.k8s import NODE_LABEL, Custom
+from passthrough.api.labels import NODE_LABEL
+from passthrough.kube.custom import Custom
 from passthrough.pci.naming import exclusive_resource_name, resource_env_name
 
 pytestmark = pytest.mark.cluster

@@ -19,7 +19,8 @@ from e2e import fakesysfs, support
 from passthrough.agent import uevent
 from passthrough.agent.loop import Agent
 from passthrough.agent.main import supervised
-from passthrough.k8s import NODE_LABEL, Custom
+from passthrough.api.labels import NODE_LABEL
+from passthrough.kube.custom import Custom
 from passthrough.pci.pciids import PciIds
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from passthrough.api.models import API_VERSION
-from passthrough.k8s import Custom
-from passthrough.kubeapi import ApiError
+from passthrough.kube.custom import Custom
+from passthrough.kube.client import ApiError
 
 pytestmark = pytest.mark.cluster
 
@@ -43,7 +43,7 @@ async def test_an_apply_naming_a_uid_never_brings_a_deleted_object_back(api, uni
 async def test_identical_events_count_up_on_one_event_and_a_different_one_is_its_own(api, unique):
     from kubernetes_asyncio import client
 
-    from passthrough.k8s import EventRecorder
+    from passthrough.kube.events import EventRecorder
 
     recorder = EventRecorder(api, "passthrough-test")
     involved = {"api_version": API_VERSION, "kind": "NodePCIDevice", "name": f"pci-events-{unique}", "uid": f"uid-{unique}"}

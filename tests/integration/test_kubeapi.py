@@ -1,4 +1,4 @@
-"""The small API client (kubeapi.Session) against the real API server: every way it logs in,
+"""The small API client (kube.client.Session) against the real API server: every way it logs in,
 what a refusal looks like, and a watch."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 import pytest
 import yaml
 
-from passthrough import kubeapi
-from passthrough.kubeapi import ApiError, open_session
+from passthrough.kube import client
+from passthrough.kube.client import ApiError, open_session
 
 pytestmark = pytest.mark.cluster
 
@@ -31,7 +31,7 @@ def kubeconfig(cluster, path, user: dict, cluster_extra: dict | None = None, ca_
     return path
 
 
-async def namespaces(session: kubeapi.Session) -> list[str]:
+async def namespaces(session: client.Session) -> list[str]:
     listing = await session.request("GET", "/api/v1/namespaces")
     return [n["metadata"]["name"] for n in listing["items"]]
 
@@ -73,8 +73,8 @@ async def test_in_a_pod_the_service_account_logs_in_and_its_token_is_read_again(
     (account / "ca.crt").write_bytes(cluster.ca_file.read_bytes())
     (account / "token").write_text("stale")
     host, port = cluster.server.removeprefix("https://").rsplit(":", 1)
-    monkeypatch.setattr(kubeapi, "SERVICE_ACCOUNT", account)
-    monkeypatch.setattr(kubeapi, "TOKEN_REREAD_SECONDS", 0.0)
+    monkeypatch.setattr(client, "SERVICE_ACCOUNT", account)
+    monkeypatch.setattr(client, "TOKEN_REREAD_SECONDS", 0.0)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
     monkeypatch.delenv("KUBECONFIG", raising=False)

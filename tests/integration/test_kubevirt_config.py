@@ -12,7 +12,7 @@ from kubernetes_asyncio import client
 
 from e2e import fakesysfs, support
 from passthrough.agent.loop import Agent
-from passthrough.k8s import Custom
+from passthrough.kube.custom import Custom
 from passthrough.pci.pciids import PciIds
 
 pytestmark = pytest.mark.cluster

@@ -25,7 +25,8 @@ from e2e import fakesysfs, support
 from e2e.cluster import free_ports
 from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess, OperatorProcess
-from passthrough.k8s import NODE_LABEL, Custom
+from passthrough.api.labels import NODE_LABEL
+from passthrough.kube.custom import Custom
 from tests.integration.test_admission import serving, webhooks  # noqa: F401  (fixtures: the chart's webhooks, calling `operator` here)
 from tests.integration.test_operator_lifecycle import vm_body
 

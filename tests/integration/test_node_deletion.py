@@ -15,7 +15,7 @@ from kubernetes_asyncio import client
 
 from e2e import support
 from e2e.processes import OperatorProcess
-from passthrough.k8s import Custom
+from passthrough.kube.custom import Custom
 
 pytestmark = pytest.mark.cluster
 

@@ -14,7 +14,7 @@ from kubernetes_asyncio import client
 
 from e2e import support
 from passthrough.controller.lifecycle import FINALIZER
-from passthrough.k8s import Custom
+from passthrough.kube.custom import Custom
 
 pytestmark = pytest.mark.cluster
 

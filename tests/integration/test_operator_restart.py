@@ -10,7 +10,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from e2e import support
-from passthrough.k8s import Custom
+from passthrough.kube.custom import Custom
 from e2e.processes import OperatorProcess
 
 pytestmark = pytest.mark.cluster

@@ -18,7 +18,7 @@ import pytest
 from e2e import cluster as local
 from e2e import support
 from e2e.processes import OperatorProcess
-from passthrough.k8s import connect
+from passthrough.kube.connect import connect
 
 pytestmark = pytest.mark.cluster
 

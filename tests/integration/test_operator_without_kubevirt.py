@@ -9,7 +9,8 @@ import pytest
 from e2e import kubevirt, support
 from e2e.cluster import REPO, LocalCluster, install_crds
 from e2e.processes import OperatorProcess
-from passthrough.k8s import Custom, connect
+from passthrough.kube.connect import connect
+from passthrough.kube.custom import Custom
 
 pytestmark = pytest.mark.cluster
 

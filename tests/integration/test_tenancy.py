@@ -28,8 +28,10 @@ from e2e import chart, fakesysfs, identities, support
 from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess
 from passthrough.agent import report
-from passthrough.k8s import AGENT_MANAGER, NODE_LABEL, VFIO_LABEL, Custom, connect
-from passthrough.kubeapi import ApiError
+from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
+from passthrough.kube.connect import connect
+from passthrough.kube.custom import AGENT_MANAGER, Custom
+from passthrough.kube.client import ApiError
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]

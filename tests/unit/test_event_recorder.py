@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from passthrough.k8s import EventRecorder
+from passthrough.kube.events import EventRecorder
 
 
 class FakeCore:
-    """Shaped as `kubeapi.Session`: Events are POSTed, repeats PATCHed."""
+    """Shaped as `kube.client.Session`: Events are POSTed, repeats PATCHed."""
 
     def __init__(self, delay: float = 0.01, hang: bool = False) -> None:
         self.posted: list[dict] = []

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from passthrough.controller.informer import Index, Informer
-from passthrough.kubeapi import ApiError
+from passthrough.kube.client import ApiError
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ def obj(name: str, rv: int, group: str = "") -> dict:
 
 class FakeSession:
     """Serves `items` in pages, then the watch `streams` one after the other (then waits);
-    shaped as `kubeapi.Session` (whose JSON lines are read against the real API server in
+    shaped as `kube.client.Session` (whose JSON lines are read against the real API server in
     the integration tests)."""
 
     def __init__(self, items, streams=(), list_rv: str = "100", later_listings=()) -> None:

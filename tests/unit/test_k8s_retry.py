@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from passthrough.kubeapi import ApiError
+from passthrough.kube.client import ApiError
 
-from passthrough.k8s import patiently
+from passthrough.kube.retry import patiently
 
 
 async def test_a_429_is_retried_after_the_servers_delay_and_other_errors_are_not():

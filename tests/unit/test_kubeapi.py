@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from passthrough.k8s import CannotStart, session
-from passthrough.kubeapi import ApiError, KubeconfigError, _query, open_session
+from passthrough.kube.connect import CannotStart, session
+from passthrough.kube.client import ApiError, KubeconfigError, _query, open_session
 
 
 def refusal(tmp_path, text: str) -> str:

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from kubernetes_asyncio import client
-from passthrough.kubeapi import ApiError
+from passthrough.kube.client import ApiError
 
 from e2e.fakekernel import FakeKernel
 from e2e.fakesysfs import gpu_node

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from passthrough.k8s import merge_listing, watch_request_timeout
+from passthrough.kube.cache import merge_listing
+from passthrough.kube.watch import watch_request_timeout
 
 
 def obj(name: str, rv: int, **extra) -> dict:

@@ -23,19 +23,14 @@ from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.handover import Handover, Outcome
 from passthrough.api.models import NODE_PCI_DEVICE
-from passthrough.k8s import (
-    AGENT_MANAGER,
-    APPLY,
-    NODE_LABEL,
-    VFIO_LABEL,
-    CannotStart,
-    Custom,
-    EventRecorder,
-    Mirror,
-    require_crds,
-    watch_events,
-)
-from passthrough.kubeapi import ApiError, session_of
+from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
+from passthrough.kube.cache import Mirror
+from passthrough.kube.client import APPLY_PATCH as APPLY, ApiError, session_of
+from passthrough.kube.connect import CannotStart
+from passthrough.kube.custom import AGENT_MANAGER, Custom
+from passthrough.kube.events import EventRecorder
+from passthrough.kube.preflight import require_crds
+from passthrough.kube.watch import watch_events
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.pciids import PciIds
 

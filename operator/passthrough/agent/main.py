@@ -18,7 +18,7 @@ from passthrough.agent.handover import Handover
 from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
 from passthrough.agent.metrics import AGENT, AGENT_STATE
 from passthrough.durations import DurationError, parse_duration
-from passthrough.k8s import CannotStart, session
+from passthrough.kube.connect import CannotStart, session
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger("passthrough.agent")

@@ -12,7 +12,7 @@ from typing import Any
 
 from passthrough.api.conditions import Cond, condition
 from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCIAttributes
-from passthrough.k8s import NODE_LABEL
+from passthrough.api.labels import NODE_LABEL
 from passthrough.pci.discovery import Device
 from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
 

@@ -23,7 +23,7 @@ from passthrough.controller import reconciler as rec
 from passthrough.controller.informer import Informer
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, device_sync_inputs, node_device_sync_inputs
 from passthrough.controller.lifecycle import Device, NodeDevice
-from passthrough.k8s import session
+from passthrough.kube.connect import session
 
 log = logging.getLogger(__name__)
 

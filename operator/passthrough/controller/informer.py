@@ -16,8 +16,8 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from passthrough.api.models import GROUP, VERSION
-from passthrough.k8s import watch_events
-from passthrough.kubeapi import ApiError, session_of
+from passthrough.kube.watch import watch_events
+from passthrough.kube.client import ApiError, session_of
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")

@@ -17,7 +17,7 @@ from typing import Any
 from passthrough.api.models import API_VERSION, CONFIG_NAME, PASSTHROUGH_CONFIG
 from passthrough.api.conditions import Cond, condition
 from passthrough.controller.lifecycle import Device, NodeDevice
-from passthrough.k8s import OPERATOR_MANAGER
+from passthrough.kube.custom import OPERATOR_MANAGER
 from passthrough.pci.naming import exclusive_resource_name
 from passthrough.kubevirt.allowlist import AssignedDevice
 from passthrough.kubevirt.mismatches import Advertised, Mismatch, mismatches, split_default_models

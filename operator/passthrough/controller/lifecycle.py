@@ -17,7 +17,7 @@ from typing import Any
 
 from passthrough.api.conditions import Cond, condition, parse_timestamp, timestamp
 from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCI_DEVICE
-from passthrough.k8s import NODE_LABEL
+from passthrough.api.labels import NODE_LABEL
 from passthrough.pci.naming import exclusive_resource_name
 
 FINALIZER = "passthrough.io/in-use"

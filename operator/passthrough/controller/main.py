@@ -17,7 +17,8 @@ from passthrough import metrics
 from passthrough.api.models import NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.controller.metrics import OPERATOR, OPERATOR_STATE
 from passthrough.durations import DurationError, parse_duration
-from passthrough.k8s import CannotStart, require_crds, session
+from passthrough.kube.connect import CannotStart, session
+from passthrough.kube.preflight import require_crds
 
 if TYPE_CHECKING:
     import kopf
@@ -38,7 +39,7 @@ def _without_kubernetes_asyncio() -> Iterator[None]:
     Kopf recognises that package's model objects and offers a login through it when it is
     installed, which imports a class for every Kubernetes type: 32 MiB of the operator's
     memory. Our handlers hand Kopf plain dicts, log in with Kopf's own kubeconfig and service
-    account logins, and our own requests go through passthrough.kubeapi. (A process that
+    account logins, and our own requests go through passthrough.kube. (A process that
     already has the package, such as a test's, keeps it.)
     """
     if "kubernetes_asyncio" in sys.modules:

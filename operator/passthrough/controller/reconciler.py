@@ -19,8 +19,9 @@ import aiohttp
 from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.controller import kubevirt_sync, lifecycle, metrics
 from passthrough.controller.workqueue import WorkQueue, run_workers
-from passthrough.k8s import OPERATOR_MANAGER, Custom, EventRecorder
-from passthrough.kubeapi import ApiError
+from passthrough.kube.custom import OPERATOR_MANAGER, Custom
+from passthrough.kube.events import EventRecorder
+from passthrough.kube.client import ApiError
 from passthrough.kubevirt.render import Rendered
 from passthrough.pci.naming import exclusive_resource_name
 
