@@ -124,7 +124,8 @@ def main() -> int:
                 f"agent-{node}",
                 ["agent", f"--node-name={node}", f"--kubeconfig={cluster.kubeconfig}", f"--sysfs-root={host.sysfs}",
                  f"--proc-root={host.proc}", f"--dev-root={host.dev}", f"--pci-ids={PCI_IDS}", "--no-hotplug",
-                 f"--device-plugin-dir={plugin_dir}", f"--pod-resources-socket={pod_resources}"],
+                 f"--device-plugin-dir={plugin_dir}", f"--pod-resources-socket={pod_resources}",
+                 f"--state-dir={host.root / 'state'}"],
                 logs,
             )  # fmt: skip
 

@@ -146,7 +146,7 @@ class AgentProcess:
             sys.executable, "-m", "passthrough", "agent", f"--node-name={node_name}",
             f"--kubeconfig={cluster.kubeconfig}", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}",
             f"--dev-root={host.root / 'dev'}", f"--pci-ids={pci_ids}", f"--device-plugin-dir={plugin_dir}",
-            f"--pod-resources-socket={pod_resources}", "--no-hotplug", *args,
+            f"--pod-resources-socket={pod_resources}", f"--state-dir={host.root / 'state'}", "--no-hotplug", *args,
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
 

@@ -143,7 +143,7 @@ def bench_bind(root: Path, rounds: int) -> None:
             writes[0] += vfio.bind_group(host.sysfs, host.dev, group, members, timeout=5)
             binds.append(time.perf_counter() - started)
             started = time.perf_counter()
-            writes[1] += vfio.release_group(host.sysfs, group, members, timeout=5)
+            writes[1] += vfio.release_group(host.sysfs, host.dev, group, members, timeout=5)
             releases.append(time.perf_counter() - started)
         errors = list(kernel.errors)
     drivers = {a: host.driver(a) for a in members}

@@ -27,6 +27,11 @@ def _add_host_roots(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sysfs-root", default="/sys", metavar="DIR", help="root of sysfs (default /sys)")
     p.add_argument("--proc-root", default="/proc", metavar="DIR", help="root of procfs (default /proc)")
     p.add_argument("--pci-ids", metavar="FILE", help="pci.ids database (default: the host's)")
+    p.add_argument(
+        "--sriov-virtual-functions",
+        action="store_true",
+        help="report SR-IOV virtual functions and let them be passed through (default: left out, as bridges are)",
+    )
 
 
 def _kubeconfig_file(path: str) -> str:
@@ -149,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="/var/lib/kubelet/pod-resources/kubelet.sock",
         metavar="FILE",
         help="the kubelet's PodResources API, asked before a device is given back",
+    )
+    p.add_argument(
+        "--state-dir",
+        default="/run/passthrough",
+        metavar="DIR",
+        help="where the agent records what it bound to vfio-pci, to give back only that (default /run/passthrough: "
+        "the host's /run, cleared at reboot as the binds are)",
+    )
+    p.add_argument(
+        "--write-deadline",
+        default="15s",
+        metavar="DURATION",
+        help="how long a bind or give-back may take before its devices are reported WriteBlocked (default 15s)",
     )
     p.add_argument(
         "--no-pool-resources",

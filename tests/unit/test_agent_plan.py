@@ -71,11 +71,22 @@ def test_pools_left_to_nvidias_plugin_bind_and_serve_only_assigned_devices(gpu_n
 
 def test_a_group_no_one_wants_goes_back_only_when_the_agent_bound_it(gpu_node):
     devices, names = gpu_node
-    ours = on_vfio(devices, "0000:3b:00.0", "0000:3b:00.1")
-    assert plan.plan(ours, {}, names, in_gpu_mode=False).release == {20: ("0000:3b:00.0", "0000:3b:00.1")}
-    # Bound by the admin (vfio-pci.ids= on the kernel command line): no driver_override, left alone.
-    static = [dataclasses.replace(d, driver="vfio-pci", driver_override="") if d.iommu_group == 20 else d for d in devices]
-    assert plan.plan(static, {}, names, in_gpu_mode=False).release == {}
+    bound = on_vfio(devices, "0000:3b:00.0", "0000:3b:00.1")
+    ours = {"0000:3b:00.0", "0000:3b:00.1"}
+    assert plan.plan(bound, {}, names, in_gpu_mode=False, ours=ours).release == {20: ("0000:3b:00.0", "0000:3b:00.1")}
+    # Pinned by the admin (driverctl sets driver_override to vfio-pci too; vfio-pci.ids= sets
+    # none): not in the agent's record, so left alone whatever sysfs says.
+    assert plan.plan(bound, {}, names, in_gpu_mode=False).release == {}
+
+
+def test_a_group_with_a_write_in_flight_is_left_alone(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, "0000:3b:00.0", "0000:3b:00.1")
+    ours = {"0000:3b:00.0", "0000:3b:00.1"}
+    # An unbind that blocks for its holder: neither given back again nor bound, whatever is assigned.
+    assert plan.plan(bound, {}, names, in_gpu_mode=False, ours=ours, locked={"0000:3b:00.1"}).release == {}
+    gpu = names["0000:3b:00.0"]
+    assert plan.plan(devices, {gpu: "team-a"}, names, in_gpu_mode=False, locked={"0000:3b:00.0"}).bind == {}
 
 
 def test_ineligible_devices_are_never_bound_even_when_assigned(gpu_node):

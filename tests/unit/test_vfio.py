@@ -232,16 +232,16 @@ def test_the_group_node_missing_is_vfio_device_missing(tmp_path):
 def test_release_gives_both_back_to_their_drivers_and_removes_the_group_node(host, kernel):
     vfio.bind_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
     # Per function: clear driver_override, unbind from vfio-pci, drivers_probe.
-    assert vfio.release_group(host.sysfs, GROUP, [GPU, AUDIO]) == 6
+    assert vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO]) == 6
     assert as_it_was(kernel)
-    assert vfio.release_group(host.sysfs, GROUP, [GPU, AUDIO]) == 0
+    assert vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO]) == 0
 
 
 def test_release_leaves_a_device_no_driver_claims_driverless(host):
     # A passthrough node without the NVIDIA driver: nothing claims the GPU, and that is fine.
     host.set_default_driver(GPU, None)
     vfio.bind_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
-    assert vfio.release_group(host.sysfs, GROUP, [GPU, AUDIO], claim_wait=SHORT) == 6
+    assert vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO], claim_wait=SHORT) == 6
     assert host.driver(GPU) == "" and host.driver(AUDIO) == "snd_hda_intel"
     assert override(host, GPU) == "(null)" and not host.vfio_node(GROUP).exists()
 
@@ -250,7 +250,7 @@ def test_release_of_a_device_vfio_pci_claims_by_default_is_give_back_failed(host
     host.set_default_driver(GPU, "vfio-pci")  # vfio-pci.ids=10de:2236
     vfio.bind_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
     with pytest.raises(BindError) as e:
-        vfio.release_group(host.sysfs, GROUP, [GPU, AUDIO])
+        vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
     assert e.value.reason == "GiveBackFailed"
     assert "0000:3b:00.0 went back to vfio-pci" in str(e.value) and "vfio-pci.ids=" in str(e.value)
     assert "(0000:3b:00.1 went back)" in str(e.value) and host.driver(AUDIO) == "snd_hda_intel"
@@ -260,7 +260,7 @@ def test_release_of_a_device_a_vm_holds_is_unbind_refused(host):
     vfio.bind_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
     host.set_busy(GPU)
     with pytest.raises(BindError) as e:
-        vfio.release_group(host.sysfs, GROUP, [GPU, AUDIO], timeout=SHORT)
+        vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO], timeout=SHORT)
     assert e.value.reason == "UnbindRefused"
     assert "driver vfio-pci did not release 0000:3b:00.0: a VM or process still holds /dev/vfio/20" in str(e.value)
     assert host.driver(GPU) == "vfio-pci" and host.vfio_node(GROUP).exists()
@@ -269,7 +269,7 @@ def test_release_of_a_device_a_vm_holds_is_unbind_refused(host):
 def test_release_of_a_device_that_vanished_is_no_failure(host):
     vfio.bind_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
     host.set_fragile(GPU)  # it falls off the bus as vfio-pci lets go
-    assert vfio.release_group(host.sysfs, GROUP, [GPU, AUDIO]) == 5
+    assert vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO]) == 5
     assert host.driver(AUDIO) == "snd_hda_intel" and not host.vfio_node(GROUP).exists()
 
 
@@ -326,7 +326,7 @@ def test_bind_then_release_returns_every_device_to_its_driver(tmp_path_factory, 
             assert vfio.bind_group(host.sysfs, host.dev, g, addresses) == 0
         for g, addresses in members.items():
             ours = [a for a in addresses if initial[a] != "vfio-pci"]
-            vfio.release_group(host.sysfs, g, ours, claim_wait=0.02)  # driverless ones stay so: don't wait long
+            vfio.release_group(host.sysfs, host.dev, g, ours, claim_wait=0.02)  # driverless ones stay so: don't wait long
             assert host.vfio_node(g).exists() == (len(ours) < len(addresses))
     assert {a: host.driver(a) for a in initial} == initial
 

@@ -1,25 +1,34 @@
-"""Carries out a node's plan: binds IOMMU groups to vfio-pci, gives them back once no pod
-holds them, and tells the device plugins what to serve.
+"""Carries out a node's plan: binds IOMMU groups to vfio-pci, gives them back once nothing holds
+them, and tells the device plugins what to serve.
 
-The sysfs sequences are `pci.vfio`'s (blocking, so they run in a thread); which pods hold
-which devices comes from the kubelet's PodResources API. When that cannot be asked, nothing
-is given back: a device a pod holds must never be pulled from under its VM.
+The sysfs sequences are `pci.vfio`'s, run by `pci.binder` in a child process under a deadline,
+since a write the kernel cannot finish blocks. So nothing is unbound while it is held: a group
+to give back is first withdrawn from the kubelet (the caller serves without it), then the
+kubelet's PodResources is asked which pods hold it, then the binder looks at the group node
+(EBUSY: a VMM holds it), and only then unbinds. When PodResources cannot be asked, nothing is
+given back: a device a pod holds must never be pulled from under its VM.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from passthrough.agent import metrics
+from passthrough.agent.bound import Bound
 from passthrough.agent.plan import Plan, Served
 from passthrough.deviceplugin.allocation import PluginDevice
-from passthrough.pci import vfio
+from passthrough.pci.binder import DEADLINE, Binder
+from passthrough.pci.discovery import Device
+from passthrough.pci.health import Health
 from passthrough.pci.vfio import BindError
 
 log = logging.getLogger(__name__)
+
+# Reasons that mean "waiting for someone else", not "something failed": Normal Events.
+WAITING = frozenset({"HeldByPod", "HeldByProcess"})
 
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
@@ -32,7 +41,17 @@ class Outcome:
     released: dict[int, tuple[str, ...]] = field(default_factory=dict)  # groups given back by this pass
     failures: dict[str, BindError] = field(default_factory=dict)  # address -> why its group could not be bound
     release_failures: dict[str, BindError] = field(default_factory=dict)
-    held: dict[int, tuple[str, ...]] = field(default_factory=dict)  # groups kept on vfio-pci for a pod
+    held: dict[int, tuple[str, ...]] = field(default_factory=dict)  # groups kept on vfio-pci for their holder
+    waiting: dict[str, BindError] = field(default_factory=dict)  # address -> who holds it (HeldByPod/Process)
+    overrides: dict[str, BindError] = field(default_factory=dict)  # address -> its override names a missing driver
+    unhealthy: dict[str, str] = field(default_factory=dict)  # address -> why a served device cannot be used now
+
+    def problems(self) -> dict[str, BindError]:
+        """Address -> what keeps it from being served, the most pressing when there are several."""
+        found = {**self.overrides, **self.release_failures, **self.waiting}
+        found.update((a, BindError("Unhealthy", why)) for a, why in self.unhealthy.items())
+        found.update(self.failures)
+        return found
 
 
 class Handover:
@@ -44,83 +63,167 @@ class Handover:
         pod_resources_socket: Path = POD_RESOURCES_SOCKET,
         serve_pools: bool = True,
         bind_timeout: float = 5.0,
+        state_dir: Path | None = None,
+        write_deadline: float = DEADLINE,
     ) -> None:
         self.sysfs_root, self.dev_root = Path(sysfs_root), Path(dev_root)
         self.pod_resources_socket = Path(pod_resources_socket)
         self.serve_pools = serve_pools
         self.bind_timeout = bind_timeout
+        self.bound = Bound(state_dir)
+        self.binder = Binder(write_deadline, on_finished=self._wake)
+        self.health = Health(self.sysfs_root, self.dev_root)
+        self.unhealthy: dict[str, str] = {}  # address -> why, as the plugins last reported it
+        self.on_change = None  # called when a late write returns or a served device's health flips
         # gRPC (10 MiB of an agent's memory) is imported by an agent that serves device plugins only.
         from passthrough.deviceplugin.manager import PluginManager
 
         self.plugins = PluginManager(Path(plugin_dir), health=self._healthy)
         self._unavailable_logged = False
 
+    def _wake(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
     def _healthy(self, device: PluginDevice) -> bool:
-        return vfio.device_healthy(self.sysfs_root, self.dev_root, device.id, device.iommu_group)
+        return self._check(device.id, device.iommu_group)
+
+    def _check(self, address: str, group: int) -> bool:
+        """Health of a served device; a change asks for a scan, which reports it on its object."""
+        problem = self.health.problem(address, group)
+        if problem != self.unhealthy.get(address, ""):
+            if problem:
+                self.unhealthy[address] = problem
+            else:
+                self.unhealthy.pop(address, None)
+            self._wake()
+        return not problem
+
+    def locked(self) -> frozenset[str]:
+        """Devices with a write in flight: reading what takes their lock would wait with it."""
+        return self.binder.overdue_addresses()
 
     async def run(self) -> None:
         await self.plugins.run()
 
     async def close(self) -> None:
         await self.plugins.close()
+        await self.binder.close()
 
     async def carry_out(self, plan: Plan) -> Outcome:
         outcome = Outcome()
+        for group, late in self.binder.overdue.items():
+            for address in late.members:
+                outcome.failures[address] = BindError("WriteBlocked", late.message(self.binder.deadline))
         for group, members in plan.bind.items():
             try:
-                writes = await asyncio.to_thread(
-                    vfio.bind_group, self.sysfs_root, self.dev_root, group, list(members), self.bind_timeout
-                )
+                writes, moved = await self.binder.bind(self.sysfs_root, self.dev_root, group, list(members), self.bind_timeout)
             except BindError as exc:
+                self.bound.add(getattr(exc, "moved", {}))  # a rollback that failed left these on vfio-pci
                 metrics.BIND_FAILURES.labels(exc.reason).inc()
                 for address in members:
                     outcome.failures[address] = exc
                 continue
+            self.bound.add(moved)
             outcome.writes += writes
             if writes:  # already on vfio-pci costs nothing and is no news
                 metrics.BINDS.inc()
                 outcome.bound[group] = members
         if plan.release:
-            held = await self._held()
-            for group, members in plan.release.items():
-                if held is None or held & set(members):
-                    outcome.held[group] = members
-                    continue
-                try:
-                    outcome.writes += await asyncio.to_thread(
-                        vfio.release_group, self.sysfs_root, group, list(members), self.bind_timeout
-                    )
-                except BindError as exc:
-                    metrics.GIVE_BACK_FAILURES.labels(exc.reason).inc()
-                    for address in members:
-                        outcome.release_failures[address] = exc
-                    continue
-                metrics.GIVE_BACKS.inc()
-                outcome.released[group] = members
+            await self._release(plan, outcome)
         return outcome
 
-    async def _held(self) -> set[str] | None:
-        """Every device id any pod holds, of any resource; None when the kubelet cannot say."""
-        from passthrough.deviceplugin.podresources import PodResourcesUnavailable, held_devices
+    async def _release(self, plan: Plan, outcome: Outcome) -> None:
+        holders = await self._holders()
+        for group, members in plan.release.items():
+            held = _held_by_pods(members, holders)
+            if held is not None:
+                outcome.held[group] = members
+                for address in members:
+                    outcome.waiting[address] = held
+                continue
+            try:
+                overrides = {a: self.bound.devices.get(a, "") for a in members}
+                outcome.writes += await self.binder.release(
+                    self.sysfs_root, self.dev_root, group, list(members), self.bind_timeout, overrides
+                )
+            except BindError as exc:
+                if exc.reason == "HeldByProcess":
+                    outcome.held[group] = members
+                    for address in members:
+                        outcome.waiting[address] = exc
+                    continue
+                metrics.GIVE_BACK_FAILURES.labels(exc.reason).inc()
+                for address in members:
+                    outcome.release_failures[address] = exc
+                continue
+            self.bound.remove(members)
+            metrics.GIVE_BACKS.inc()
+            outcome.released[group] = members
+
+    async def _holders(self):
+        """Device id -> the pods holding it; None when the kubelet cannot say."""
+        from passthrough.deviceplugin.podresources import PodResourcesUnavailable, holders
 
         try:
-            held = await held_devices(self.pod_resources_socket)
+            found = await holders(self.pod_resources_socket)
         except PodResourcesUnavailable as exc:
             if not self._unavailable_logged:
                 self._unavailable_logged = True
                 log.warning("cannot tell which devices pods hold (%s); giving nothing back until the kubelet answers", exc)
             return None
         self._unavailable_logged = False
-        return set().union(*held.values()) if held else set()
+        return found
+
+    def override_problems(self, devices: tuple[Device, ...]) -> dict[str, BindError]:
+        """Devices left without a driver because their `driver_override` names one that is not
+        loaded (the kernel's probe succeeds and binds nothing): say so, with what to do."""
+        drivers = self.sysfs_root / "bus" / "pci" / "drivers"
+        found = {}
+        for device in devices:
+            override = device.driver_override
+            if device.reported and not device.driver and override and not os.path.isdir(drivers / override):
+                found[device.address] = BindError(
+                    "OverrideDriverMissing",
+                    f"{device.address} has no driver: its driver_override names {override}, which is not loaded. "
+                    f"Load it (modprobe {override}) or clear the override (echo > /sys/bus/pci/devices/{device.address}"
+                    "/driver_override, or driverctl unset-override)",
+                )
+        return found
 
     async def serve(self, resources: dict[str, tuple[Served, ...]]) -> None:
+        served = {s.address for devices in resources.values() for s in devices}
+        for address in set(self.unhealthy) - served:
+            del self.unhealthy[address]  # health is watched only while a device is served
         await self.plugins.set_resources(
             {
                 name: [
                     PluginDevice(id=s.address, iommu_group=s.iommu_group, numa_node=s.numa_node,
-                                 healthy=vfio.device_healthy(self.sysfs_root, self.dev_root, s.address, s.iommu_group))
+                                 healthy=self._check(s.address, s.iommu_group), cdev=self._cdev(s.address))
                     for s in served
                 ]
                 for name, served in resources.items()
             }
         )
+
+    def _cdev(self, address: str) -> str:
+        """The device's iommufd character device (`vfio<N>`), only when both it and /dev/iommu
+        exist: a kernel without them must not be handed paths that are not there."""
+        try:
+            names = os.listdir(self.sysfs_root / "bus" / "pci" / "devices" / address / "vfio-dev")
+        except OSError:
+            return ""
+        for name in names:
+            if os.path.exists(self.dev_root / "vfio" / "devices" / name) and os.path.exists(self.dev_root / "iommu"):
+                return name
+        return ""
+
+
+def _held_by_pods(members: tuple[str, ...], holders) -> BindError | None:
+    if holders is None:
+        return BindError("HeldByPod", "the kubelet's PodResources API cannot be asked which pods hold it, so it is "
+                         "kept on vfio-pci; it is given back once the kubelet answers and no pod holds it")  # fmt: skip
+    pods = sorted({str(h) for a in members for h in holders.get(a, ())})
+    if not pods:
+        return None
+    return BindError("HeldByPod", f"{', '.join(pods)} holds it: it is given back once that pod ends")

@@ -21,7 +21,7 @@ import aiohttp
 from passthrough.agent import metrics
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
-from passthrough.agent.handover import Handover, Outcome
+from passthrough.agent.handover import WAITING, Handover, Outcome
 from passthrough.api.models import NODE_PCI_DEVICE
 from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
 from passthrough.kube.cache import Mirror
@@ -88,6 +88,8 @@ class Agent:
         self._assignments: dict[str, str] = {}
         self._node_labels: dict[str, str] = {}
         self.handover = handover
+        if handover is not None:
+            handover.on_change = self.trigger  # a late write returned, or a served device's health flipped
         self.events = EventRecorder(api, "passthrough-agent")
         self._bind_failures: dict[str, str] = {}  # address -> message of the last failure reported
         self._retry = 0  # consecutive scans whose bind or give-back failed
@@ -206,7 +208,7 @@ class Agent:
         if not self.mirror.synced.is_set() or self._resync:  # outside run(), or after trouble: know what is there
             await self.mirror.relist()
             self._resync = False
-        discovery: Discovery = await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids)
+        discovery: Discovery = await self._discover()
         for problem in discovery.problems:
             self._log_once(problem, "%s", problem)
         result.writes += await self._label_node(node, discovery)
@@ -223,7 +225,7 @@ class Agent:
             if not device.reported:
                 continue
             name = names[device.address] = report.object_name(device, self.node_name)
-            jobs.append(self._report_present(name, device, node, result, outcome.failures.get(device.address)))
+            jobs.append(self._report_present(name, device, node, result, outcome.problems().get(device.address)))
         found = set(names.values())
         for name, live in list(self.mirror.objects.items()):
             if name not in found and not live["metadata"].get("deletionTimestamp"):
@@ -248,11 +250,18 @@ class Agent:
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         in_gpu_mode = node_plan.gpu_mode(self._node_labels)
         serve_pools = self.handover.serve_pools
-        wanted = node_plan.plan(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools)
+        wanted = node_plan.plan(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools,
+                                ours=self.handover.bound, locked=self.handover.locked())  # fmt: skip
+        if wanted.release:
+            # Withdrawn from the kubelet before anyone looks for holders: no pod gets it meanwhile.
+            await self.handover.serve(node_plan.resources(discovery.devices, self._assignments, names, in_gpu_mode,
+                                                          serve_pools, self.handover.locked()))  # fmt: skip
         outcome = await self.handover.carry_out(wanted)
         if outcome.writes:
             # Drivers moved: report what the kernel says now, not what it said before.
-            discovery = await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids)
+            discovery = await self._discover()
+        outcome.overrides = self.handover.override_problems(discovery.devices)
+        outcome.unhealthy = dict(self.handover.unhealthy)
         served = node_plan.resources(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools, outcome.failures)
         await self.handover.serve(served)
         if self._again is not None:
@@ -270,6 +279,10 @@ class Agent:
                 self._again = asyncio.get_running_loop().call_later(HELD_RECHECK, self._wake.set)
         return discovery, outcome
 
+    async def _discover(self) -> Discovery:
+        locked = self.handover.locked() if self.handover is not None else frozenset()
+        return await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids, locked)
+
     def _tell(self, outcome: Outcome, names: dict[str, str]) -> None:
         """Log and post an Event for every move and every new failure; repeats stay quiet."""
         for group, members in outcome.bound.items():
@@ -282,14 +295,16 @@ class Agent:
             for address in members:
                 self._event(names.get(address), "Normal", "GivenBack",
                             f"{address} (IOMMU group {group}) left passthrough and is back with its default driver")
-        for address, exc in {**outcome.release_failures, **outcome.failures}.items():
+        problems = outcome.problems()
+        for address, exc in problems.items():
             message = str(exc)
             if self._bind_failures.get(address) != message:
                 self._bind_failures[address] = message
                 log.warning("%s: %s", address, message)
-                self._event(names.get(address), "Warning", getattr(exc, "reason", "BindFailed"), message)
+                kind = "Normal" if exc.reason in WAITING else "Warning"
+                self._event(names.get(address), kind, exc.reason, message)
         for address in list(self._bind_failures):
-            if address not in outcome.failures and address not in outcome.release_failures:
+            if address not in problems:
                 del self._bind_failures[address]
 
     def _event(self, name: str | None, type_: str, reason: str, message: str) -> None:

@@ -24,7 +24,7 @@ from passthrough.pci.pciids import PciIds
 log = logging.getLogger("passthrough.agent")
 
 
-async def _main(args: argparse.Namespace, rescan: float) -> int:
+async def _main(args: argparse.Namespace, rescan: float, deadline: float) -> int:
     api = await session(args.kubeconfig, connections=CONNECTIONS)
     endpoint = None
     try:
@@ -36,6 +36,8 @@ async def _main(args: argparse.Namespace, rescan: float) -> int:
                 plugin_dir=Path(args.device_plugin_dir),
                 pod_resources_socket=Path(args.pod_resources_socket),
                 serve_pools=args.pool_resources,
+                state_dir=Path(args.state_dir),
+                write_deadline=deadline,
             )
         agent = Agent(
             api,
@@ -103,7 +105,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"passthrough agent: --rescan-interval: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_main(args, rescan))
+        deadline = parse_duration(args.write_deadline)
+    except DurationError as exc:
+        print(f"passthrough agent: --write-deadline: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args, rescan, deadline))
     except (AgentError, CannotStart) as exc:
         print(f"passthrough agent: {exc}", file=sys.stderr)
         return 1

@@ -8,8 +8,10 @@ the plan out. The rules:
   of a pool vendor on a node in GPU passthrough mode (and the agent serves pools). Its whole
   IOMMU group goes with it (VFIO hands a group to one VM), bridges excepted.
 - A group goes back when no member is wanted, but only members the agent itself put on
-  vfio-pci (`driver_override` is `vfio-pci`): a device an admin bound statically
-  (`vfio-pci.ids=` on the kernel command line) stays where it is.
+  vfio-pci (`ours`, its record on the node): a device an admin bound statically
+  (`vfio-pci.ids=` on the kernel command line, driverctl) stays where it is.
+- A group with a write still in flight (`locked`: the kernel has not finished it) is left
+  alone until the write returns.
 - Resources: every assigned device bound to vfio-pci is `passthrough.io/<object name>`
   (count 1); every other pool GPU bound to vfio-pci is in its model's pool. A pool stays
   served with no device while the node has GPUs of that model, so the kubelet shows 0
@@ -18,7 +20,7 @@ the plan out. The rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from passthrough.pci.discovery import BRIDGE_CLASS, Device
@@ -70,8 +72,11 @@ def plan(
     names: Mapping[str, str],
     in_gpu_mode: bool,
     serve_pools: bool = True,
+    ours: Container[str] = frozenset(),
+    locked: Container[str] = frozenset(),
 ) -> Plan:
-    """`assignments`: object name -> assigned namespace; `names`: address -> object name."""
+    """`assignments`: object name -> assigned namespace; `names`: address -> object name;
+    `ours`: the addresses the agent moved to vfio-pci itself; `locked`: those with a write in flight."""
     devices = list(devices)
     want = frozenset(
         d.address for d in devices if wanted(d, assignments.get(names.get(d.address, ""), ""), in_gpu_mode, serve_pools)
@@ -79,12 +84,14 @@ def plan(
     bind: dict[int, tuple[str, ...]] = {}
     release: dict[int, tuple[str, ...]] = {}
     for group, members in sorted(_members(devices).items()):
+        if any(m.address in locked for m in members):
+            continue
         if any(m.address in want for m in members):
             bind[group] = tuple(sorted(m.address for m in members))
             continue
-        ours = tuple(sorted(m.address for m in members if m.driver_override == VFIO_DRIVER))
-        if ours:
-            release[group] = ours
+        mine = tuple(sorted(m.address for m in members if m.address in ours and m.driver == VFIO_DRIVER))
+        if mine:
+            release[group] = mine
     return Plan(bind=bind, release=release, wanted=want)
 
 

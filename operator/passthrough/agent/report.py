@@ -17,6 +17,10 @@ from passthrough.pci.discovery import Device
 from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
 
 READY = "Ready"
+# Reasons whose message already says when the device comes back (a holder lets go, a write
+# returns, an admin acts): no "tries again" to add.
+SAYS_WHEN = frozenset({"HeldByPod", "HeldByProcess", "WriteBlocked", "Unhealthy", "VendorDriverInUse",
+                       "OverrideDriverMissing"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,10 @@ def ready_condition(device: Device, failure: Exception | None = None) -> tuple[s
     if not device.eligible:
         return "False", "NotReady", device.reason
     if failure is not None:
-        return "False", getattr(failure, "reason", "BindFailed"), f"{failure}; the agent tries again at its next scan."
+        reason = getattr(failure, "reason", "BindFailed")
+        if reason in SAYS_WHEN:
+            return "False", reason, f"{failure}."
+        return "False", reason, f"{failure}; the agent tries again at its next scan."
     return "True", "Ready", "The device can be passed through."
 
 

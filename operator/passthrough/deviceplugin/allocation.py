@@ -21,6 +21,7 @@ class PluginDevice:
     iommu_group: int
     numa_node: int = -1  # -1: the kernel knows no NUMA node for it
     healthy: bool = True
+    cdev: str = ""  # its iommufd device (`vfio3` for /dev/vfio/devices/vfio3); "" when the kernel has none
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,14 @@ def allocate_response(
     `PCI_RESOURCE_<NAME>` lists exactly the requested addresses, in the order asked: virt-
     launcher hands them to the VM's host devices by position, so nothing else (a sibling
     function of the same IOMMU group, say) may take a slot. The container gets the vfio
-    container device and each requested device's group node once.
+    container device and each requested device's group node once; where the kernel has iommufd,
+    each device's own node under `devices/` and `/dev/iommu` too (KubeVirt's IOMMUFD gate).
     """
     requested = list(requested_ids)
     if not requested:
         raise AllocationError(f"no device IDs asked for {resource_name}")
     groups: list[int] = []
+    cdevs: list[str] = []
     seen: set[str] = set()
     for device_id in requested:
         if device_id in seen:
@@ -75,8 +78,12 @@ def allocate_response(
             )
         if device.iommu_group not in groups:
             groups.append(device.iommu_group)
+        if device.cdev:
+            cdevs.append(device.cdev)
     base = vfio_dir.rstrip("/")
     nodes = [f"{base}/vfio"] + [f"{base}/{group}" for group in groups]
+    if cdevs:
+        nodes += [f"{base}/devices/{cdev}" for cdev in cdevs] + [f"{base.rsplit('/', 1)[0]}/iommu"]
     return Allocation(
         envs={resource_env_name(resource_name): ",".join(requested)},
         devices=tuple(DeviceNode(path, path, "rw") for path in nodes),

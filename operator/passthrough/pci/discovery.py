@@ -19,6 +19,13 @@ each device, since loading the module fixes it for all.
 
 A disk whose use cannot be told (an unreadable mount table, a garbled `dev`, a partition on a
 host with an imported ZFS pool: see `_Usage`) keeps its device back, as a disk in use does.
+
+SR-IOV: a physical function with virtual functions enabled stays with the host (unbinding it
+destroys every VF, and with them whatever pods and VMs use). A virtual function (it has a
+`physfn` link) is left out like a bridge unless the admin opts in (`virtual_functions`: the
+agent's --sriov-virtual-functions): a NIC can have hundreds, and most belong to the SR-IOV
+network operator. One whose network interface is not in the host's network namespace (the
+SR-IOV CNI moved it into a pod) is in use, though nothing under /sys shows it up.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -123,6 +130,9 @@ class _Found:
     driver: str = ""
     driver_override: str = ""
     iommu_group: int = -1
+    physical_function: str = ""  # a VF's PF (its `physfn` link); "" for any other device
+    virtual_functions: int = 0  # a PF's `sriov_numvfs`
+    boot_vga: bool = False  # the display the firmware used: the host's console
     numa_node: int = -1
     problems: list[str] = field(default_factory=list)
     netdevs: dict[str, Path] = field(default_factory=dict)
@@ -147,7 +157,12 @@ class _Found:
             return default
 
 
-def discover(sysfs_root: Path, proc_root: Path, pci_ids: PciIds) -> Discovery:
+def discover(
+    sysfs_root: Path, proc_root: Path, pci_ids: PciIds, locked: Container[str] = (), *, virtual_functions: bool = False,
+) -> Discovery:  # fmt: skip
+    """`locked`: devices with a sysfs write in flight, whose `driver_override` is not read (a read
+    waits for the device lock that write holds). `virtual_functions`: SR-IOV VFs are reported
+    and may be eligible (the admin's opt-in); otherwise they are left out."""
     sysfs_root, proc_root = Path(sysfs_root), Path(proc_root)
     problems: list[str] = []
     node = NodeState(iommu_enabled=_iommu_enabled(sysfs_root), vfio_available=vfio_available(sysfs_root))
@@ -163,14 +178,14 @@ def discover(sysfs_root: Path, proc_root: Path, pci_ids: PciIds) -> Discovery:
         if not ADDRESS.fullmatch(address):
             problems.append(f"{devices_dir / address} is not named like a PCI address (0000:3b:00.0); ignored")
             continue
-        device = _read_device(devices_dir / address, address)
+        device = _read_device(devices_dir / address, address, address in locked)
         if device is not None:
             found[address] = device
     blocks = _attach(found, sysfs_root, problems)
 
     usage = _Usage.read(proc_root, sysfs_root, blocks, problems)
     for device in found.values():
-        _judge(device, node, sysfs_root, blocks, usage)
+        _judge(device, node, sysfs_root, blocks, usage, virtual_functions)
     _judge_groups(found, sysfs_root)
 
     devices = []
@@ -200,7 +215,7 @@ def vfio_available(sysfs_root: Path) -> bool:
 # --- Reading ----------------------------------------------------------------------------
 
 
-def _read_device(entry: Path, address: str) -> _Found | None:
+def _read_device(entry: Path, address: str, locked: bool = False) -> _Found | None:
     """One device's attributes; None when it vanished while being read (hot-unplug)."""
     if not os.path.lexists(entry):
         return None
@@ -214,12 +229,17 @@ def _read_device(entry: Path, address: str) -> _Found | None:
     device.subsystem_vendor_id = device.attempt(sysfs.read_hex, entry / "subsystem_vendor", 4, default="")
     device.subsystem_device_id = device.attempt(sysfs.read_hex, entry / "subsystem_device", 4, default="")
     device.driver = device.attempt(sysfs.link_name, entry / "driver", default="")
-    device.driver_override = _driver_override(entry)
+    if not device.driver and not locked:  # all it tells is why a device has no driver
+        device.driver_override = _driver_override(entry)
     # Without CONFIG_NUMA the kernel has no numa_node file at all.
     device.numa_node = device.attempt(sysfs.read_int, entry / "numa_node", -1, default=-1)
     if device.numa_node < -1:
         device.problems.append(f"{entry / 'numa_node'} holds {device.numa_node}, not a NUMA node or -1")
         device.numa_node = -1
+    # SR-IOV: a VF links to its PF; a PF says how many VFs are on. Neither file exists elsewhere.
+    device.physical_function = device.attempt(sysfs.link_name, entry / "physfn", default="")
+    device.virtual_functions = device.attempt(sysfs.read_int, entry / "sriov_numvfs", 0, default=0)
+    device.boot_vga = device.attempt(sysfs.read_int, entry / "boot_vga", 0, default=0) == 1
     group = device.attempt(sysfs.link_name, entry / "iommu_group", default="")
     # A group number is the kernel's int; isdigit() would take "²", and length no bound.
     if group and not (re.fullmatch(r"[0-9]{1,10}", group) and int(group) < 2**31):
@@ -232,8 +252,7 @@ def _read_device(entry: Path, address: str) -> _Found | None:
 
 
 def _driver_override(entry: Path) -> str:
-    # Only a hint of who bound the device (the agent gives back only what it bound itself):
-    # an unreadable file is not a problem of the device.
+    # Only a hint of why a device has no driver: an unreadable file is not a problem of the device.
     try:
         value = sysfs.read_text(entry / "driver_override")
     except SysfsError:
@@ -404,7 +423,9 @@ class _Usage:
 # --- The rules --------------------------------------------------------------------------
 
 
-def _judge(device: _Found, node: NodeState, sysfs_root: Path, blocks: _Blocks, usage: _Usage) -> None:
+def _judge(
+    device: _Found, node: NodeState, sysfs_root: Path, blocks: _Blocks, usage: _Usage, virtual_functions: bool = False,
+) -> None:  # fmt: skip
     """The rules about the device alone, most permanent first; the group comes after."""
     check = f"check the device (lspci -vvs {device.address}, dmesg) and rescan"
     if not device.identified:
@@ -421,6 +442,13 @@ def _judge(device: _Found, node: NodeState, sysfs_root: Path, blocks: _Blocks, u
         )
     elif device.class_code[:2] in NEVER_PASSED:
         device.rule_out(*NEVER_PASSED[device.class_code[:2]], reported=False)
+    elif device.physical_function and not virtual_functions:
+        device.rule_out(
+            f"it is an SR-IOV virtual function of {device.physical_function}",
+            "virtual functions are passed through only when an admin opts in "
+            "(PassthroughConfig spec.discovery.sriovVirtualFunctions, the agent's --sriov-virtual-functions)",
+            reported=False,
+        )
     elif device.problems:
         device.rule_out(device.problems[0], check)
     elif not node.iommu_enabled:
@@ -436,9 +464,48 @@ def _judge(device: _Found, node: NodeState, sysfs_root: Path, blocks: _Blocks, u
             "check that the firmware's DMAR/IVRS tables cover its slot, or move the card to another slot",
         )
     else:
-        in_use = _block_in_use(device, blocks, usage) or _interface_up(device)
+        in_use = (_host_owned(device) or _block_in_use(device, blocks, usage) or _interface_up(device)
+                  or _interface_elsewhere(device))  # fmt: skip
         if in_use:
             device.rule_out(*in_use)
+
+
+# Drivers that hold a device for passthrough: a VF on one has no network interface anywhere.
+PASSTHROUGH_DRIVERS = frozenset({"vfio-pci", "pci-stub"})
+NETWORK_CLASS = "02"
+
+
+def _host_owned(device: _Found) -> tuple[str, str] | None:
+    """What the host keeps whatever its state: the boot display, a PF carrying VFs."""
+    if device.boot_vga:
+        return (
+            "it is the boot display (boot_vga is 1): the host's console, which the firmware and kernel draw on",
+            "it stays with the host; pass through another GPU",
+        )
+    if device.virtual_functions > 0:
+        plural = "s are" if device.virtual_functions > 1 else " is"
+        return (
+            f"SR-IOV is on: {device.virtual_functions} virtual function{plural} enabled, and unbinding this "
+            "physical function would destroy them and cut off whatever uses them",
+            f"pass its virtual functions through instead, or disable them "
+            f"(echo 0 > /sys/bus/pci/devices/{device.address}/sriov_numvfs) to pass the whole device through",
+        )
+    return None
+
+
+def _interface_elsewhere(device: _Found) -> tuple[str, str] | None:
+    """A VF on its network driver whose interface this host's network namespace does not show:
+    the SR-IOV CNI (or anything else) moved it into a pod's or container's namespace. sysfs
+    lists a device's interfaces only in the namespace that mounted it (the host's, for the
+    agent's hostPath /sys)."""
+    if (not device.physical_function or device.class_code[:2] != NETWORK_CLASS or not device.driver
+            or device.driver in PASSTHROUGH_DRIVERS or device.netdevs):  # fmt: skip
+        return None
+    return (
+        f"its network interface (driver {device.driver}) is not in the host's network namespace: it was "
+        "moved into a pod or container, which uses it",
+        "end what uses it (the pod the SR-IOV CNI gave it to) and rescan",
+    )
 
 
 # What a block device is used for, most telling first: the admin reads the first one found.

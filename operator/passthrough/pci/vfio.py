@@ -1,9 +1,12 @@
 """Moves whole IOMMU groups to vfio-pci and gives them back through sysfs, and tells whether a
-bound device is usable: the host side of passthrough, called by the agent from a thread.
+bound group is usable: the host side of passthrough.
 
-The kernel acts on a write before write(2) returns, a test's simulated kernel a moment later
-(and some drivers probe asynchronously), so every check after a write polls, for at most
-`timeout` seconds.
+On a real kernel a write is done when write(2) returns, except one that cannot be: unbinding a
+device that someone holds (a VMM with `/dev/vfio/<group>` open, the NVIDIA driver with a CUDA
+process or nvidia-persistenced) blocks until the holder lets go, and vfio-pci asks a VMM to let
+go by hot-unplugging the device from its guest. Unbind never refuses. So these functions never
+unbind what is held (they look first: `held_by_process`, `vendor_users`), and they run in the
+agent's binder process (`pci.binder`), where a write that blocks anyway cannot stop the agent.
 
 Choices:
 - `bind_group` is all or nothing: when a member fails, the members this call changed go back
@@ -13,15 +16,15 @@ Choices:
   vfio-pci would not help whoever asked for them). A device that no driver claims after the
   re-probe (a GPU on a node without the NVIDIA driver, as passthrough nodes often are) is left
   driverless, and that is success: it is off vfio-pci, which is all a release promises. A
-  device still on vfio-pci is a failure (`UnbindRefused`, `GiveBackFailed`); a device that
-  vanished has nothing left to give back and is no failure either.
+  device that vanished has nothing left to give back and is no failure either.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,19 +33,28 @@ from passthrough.pci.discovery import BRIDGE_CLASS, vfio_available
 from passthrough.pci.sysfs import SysfsError, SysfsWriteError
 
 VFIO_DRIVER = "vfio-pci"
+PORT_DRIVER = "pcieport"
 _NOT_LOADED = "vfio-pci is not loaded on this node: modprobe vfio-pci (and add it to /etc/modules-load.d)"
-# What to do when a driver keeps a device it was told to let go of.
-_USERS = {
-    "nvidia": "stop what uses the GPU (nvidia-smi, nvidia-persistenced) or unload the driver",
-    VFIO_DRIVER: "a VM or process still holds /dev/vfio/{group}; stop it first",
-}
+# Drivers whose remove waits for their users (nvidia-persistenced, CUDA processes) when a GPU is
+# unbound: a device on one of them moves to vfio-pci only while the driver has no user.
+VENDOR_DRIVERS = frozenset({"nvidia"})
+
+
+def prepare_node_hint(address: str, vendor_device: str) -> str:
+    """How an admin hands a GPU to vfio-pci at boot, before its vendor driver has users."""
+    return (
+        f"prepare the node instead: bind it to vfio-pci at boot (vfio-pci.ids={vendor_device} on the kernel "
+        f"command line, or `driverctl set-override {address} vfio-pci`), or, with NVIDIA's GPU Operator, "
+        "label the node nvidia.com/gpu.workload.config=vm-passthrough"
+    )
 
 
 class BindError(Exception):
     """Why a group could not be bound or given back. `reason`, in CamelCase, is one of:
 
-    VfioNotLoaded, DeviceGone, NotInGroup, UnbindRefused, BindFailed, VfioDeviceMissing,
-    GiveBackFailed. The message says what to do.
+    VfioNotLoaded, DeviceGone, NotInGroup, VendorDriverInUse, HeldByProcess, BindFailed,
+    VfioDeviceMissing, GiveBackFailed (and WriteBlocked, from `pci.binder`). The message says
+    what to do.
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -69,13 +81,93 @@ def group_members(sysfs_root: Path, group: int) -> list[str]:
     return members
 
 
-def device_healthy(sysfs_root: Path, dev_root: Path, address: str, group: int) -> bool:
-    """On vfio-pci and `/dev/vfio/<group>` is there: a readlink and a stat, cheap enough to poll."""
+def _driver_name(sysfs_root: Path, address: str) -> str | None:
+    """The device's driver, "" when none, None when the device is gone. A readlink: it takes no
+    device lock, so it never waits behind a write that blocks."""
+    entry = os.path.join(sysfs_root, "bus", "pci", "devices", address)
     try:
-        driver = os.readlink(os.path.join(sysfs_root, "bus", "pci", "devices", address, "driver"))
+        return os.path.basename(os.readlink(os.path.join(entry, "driver")))
     except OSError:
+        return "" if os.path.lexists(entry) else None
+
+
+def state(sysfs_root: Path, address: str) -> tuple[str | None, str]:
+    """A device's driver (as `_driver_name`) and `driver_override` ("" when unset). Reading the
+    override waits for the device lock: not for the agent's own process."""
+    try:
+        override = sysfs.read_text(Path(sysfs_root) / "bus" / "pci" / "devices" / address / "driver_override")
+    except SysfsError:
+        override = ""
+    return _driver_name(sysfs_root, address), "" if override == "(null)" else override
+
+
+def group_problem(sysfs_root: Path, dev_root: Path, group: int) -> str:
+    """Why IOMMU group `group` cannot be handed to a VMM now; "" when it can.
+
+    The kernel's viability rule: every member is on vfio-pci, or is a PCIe port on pcieport
+    or without a driver (a group with one member on another driver opens, but a VMM gets
+    EPERM when it uses it). And `/dev/vfio/<group>` must be there. Readlinks and a stat only:
+    cheap enough to poll, and never behind a device lock.
+    """
+    listing = os.path.join(sysfs_root, "kernel", "iommu_groups", str(group), "devices")
+    try:
+        members = sorted(os.listdir(listing))
+    except OSError:
+        return f"IOMMU group {group} is gone"
+    for address in members:
+        driver = _driver_name(sysfs_root, address)
+        if driver is None or driver == VFIO_DRIVER:
+            continue  # a member that left the group takes nothing from it
+        if driver in ("", PORT_DRIVER) and _is_bridge(listing, address):
+            continue
+        return (
+            f"IOMMU group {group} is not viable: {address} is on {driver or 'no driver'}, not vfio-pci "
+            "(a VMM would get EPERM)"
+        )
+    node = os.path.join(dev_root, "vfio", str(group))
+    if not os.path.exists(node):
+        return f"{node} is missing"
+    return ""
+
+
+def _is_bridge(listing: str, address: str) -> bool:
+    try:
+        return sysfs.read_hex(Path(listing) / address / "class", 6).startswith(BRIDGE_CLASS)
+    except SysfsError:
         return False
-    return os.path.basename(driver) == VFIO_DRIVER and os.path.exists(os.path.join(dev_root, "vfio", str(group)))
+
+
+def device_healthy(sysfs_root: Path, dev_root: Path, address: str, group: int) -> bool:
+    """On vfio-pci, and its whole group usable (`group_problem`)."""
+    return _driver_name(sysfs_root, address) == VFIO_DRIVER and not group_problem(sysfs_root, dev_root, group)
+
+
+def held_by_process(dev_root: Path, group: int) -> bool:
+    """Whether something holds `/dev/vfio/<group>` open: the kernel lets one open it at a time
+    (EBUSY for the rest), so an open that succeeds, closed at once, means nobody does."""
+    try:
+        fd = os.open(os.path.join(dev_root, "vfio", str(group)), os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        return e.errno == errno.EBUSY
+    os.close(fd)
+    return False
+
+
+def vendor_users(sysfs_root: Path, driver: str) -> int | None:
+    """How many users a driver's module has beyond the modules built on it (nvidia_uvm,
+    nvidia_modeset hold nvidia too); None when the kernel does not say (a built-in driver).
+
+    Every open of /dev/nvidia* takes a reference: nvidia-persistenced, a CUDA process."""
+    module = Path(sysfs_root) / "module" / driver.replace("-", "_")
+    try:
+        refs = sysfs.read_int(module / "refcnt")
+    except SysfsError:
+        return None
+    try:
+        holders = len(os.listdir(module / "holders"))
+    except OSError:
+        holders = 0
+    return max(refs - holders, 0)
 
 
 def bind_group(sysfs_root: Path, dev_root: Path, group: int, addresses: list[str], timeout: float = 5.0) -> int:
@@ -87,6 +179,8 @@ def bind_group(sysfs_root: Path, dev_root: Path, group: int, addresses: list[str
         raise BindError("VfioNotLoaded", _NOT_LOADED)
     for address in addresses:
         host.check_member(address)
+    for address in addresses:
+        host.check_vendor_driver(address)
     changed: list[_Before] = []
     for address in addresses:
         before = _Before(address, host.driver(address) or "", host.override(address))
@@ -108,19 +202,35 @@ def bind_group(sysfs_root: Path, dev_root: Path, group: int, addresses: list[str
 
 
 def release_group(
-    sysfs_root: Path, group: int, addresses: list[str], timeout: float = 5.0, claim_wait: float = 1.0
+    sysfs_root: Path,
+    dev_root: Path,
+    group: int,
+    addresses: list[str],
+    timeout: float = 5.0,
+    claim_wait: float = 1.0,
+    overrides: Mapping[str, str] | None = None,
 ) -> int:
-    """Give the members on vfio-pci back to their drivers: clear `driver_override`, unbind,
-    re-probe. Returns the number of sysfs writes made. Whether a pod holds them is the caller's
-    question. A device no driver has claimed `claim_wait` s after the re-probe is left driverless
-    (the kernel's probe is done when the write returns, but a driver that probes asynchronously
-    takes a moment)."""
+    """Give the members on vfio-pci back to their drivers: restore `driver_override` (`overrides`:
+    address -> what it was before the agent bound it; cleared when not given), unbind, re-probe.
+    Returns the number of sysfs writes made.
+
+    Refused with HeldByProcess, before any write, while something holds `/dev/vfio/<group>`:
+    the unbind would block until it let go. Whether a pod holds the group is the caller's
+    question. A device no driver has claimed `claim_wait` s after the re-probe is left
+    driverless (the kernel's probe is done when the write returns, but a driver that probes
+    asynchronously takes a moment)."""
     host = _Host(Path(sysfs_root), group)
+    if held_by_process(Path(dev_root), group):
+        raise BindError(
+            "HeldByProcess",
+            f"/dev/vfio/{group} is open (a VMM or another process holds IOMMU group {group}); it is given back "
+            "once that lets go",
+        )
     given: list[str] = []
     failed: list[BindError] = []
     for address in addresses:
         try:
-            if host.give_back(address, timeout, claim_wait):
+            if host.give_back(address, timeout, claim_wait, (overrides or {}).get(address, "")):
                 given.append(address)
         except BindError as e:
             if e.reason != "DeviceGone":  # gone mid-way: nothing is left to give back
@@ -184,6 +294,24 @@ class _Host:
                 "NotInGroup", f"{address} is in IOMMU group {group}, not {self.group}: rescan before binding"
             )
 
+    def check_vendor_driver(self, address: str) -> None:
+        driver = self.driver(address) or ""
+        if driver not in VENDOR_DRIVERS:
+            return
+        users = vendor_users(self.root, driver)
+        if not users:
+            return
+        try:
+            ids = f"{sysfs.read_hex(self.device(address) / 'vendor', 4)}:{sysfs.read_hex(self.device(address) / 'device', 4)}"
+        except SysfsError:
+            ids = "<vendor>:<device>"
+        raise BindError(
+            "VendorDriverInUse",
+            f"{address} is on the {driver} driver, which has {users} user(s) (nvidia-persistenced, a CUDA process, "
+            f"nvidia-smi): unbinding it would wait for them, so the agent does not move it live; "
+            + prepare_node_hint(address, ids),
+        )
+
     def gone(self, address: str, when: str) -> BindError:
         return BindError(
             "DeviceGone",
@@ -199,14 +327,15 @@ class _Host:
         except SysfsWriteError as e:
             if not self.device(address).exists():
                 raise self.gone(address, f"while {text.strip() or 'a blank'} was written to {relative}") from None
-            raise BindError(reason, f"the kernel refused it: {e}") from None
+            raise BindError(reason, f"the kernel refused it: {e}{_errno_hint(e.errno, relative)}") from None
         self.writes += 1
 
     def unbind(self, address: str, driver: str, timeout: float, reason: str) -> None:
+        # The kernel unbinds before write(2) returns (after waiting for any holder): the poll
+        # is for a driver that lets go asynchronously, or a simulated kernel.
         self.write(f"bus/pci/drivers/{driver}/unbind", address, address, reason)
         if not _wait(lambda: self.driver(address) != driver, timeout):
-            hint = _USERS.get(driver, "stop what uses it or unload the driver").format(group=self.group)
-            raise BindError("UnbindRefused", f"driver {driver} did not release {address}: {hint}")
+            raise BindError(reason, f"{address} is still on {driver} after its unbind; the kernel log says why")
         if self.driver(address) is None:
             raise self.gone(address, f"when {driver} let go of it")
 
@@ -215,7 +344,7 @@ class _Host:
         if before.override != VFIO_DRIVER:
             self.write(f"bus/pci/devices/{address}/driver_override", VFIO_DRIVER, address, "BindFailed")
         if before.driver:
-            self.unbind(address, before.driver, timeout, "UnbindRefused")
+            self.unbind(address, before.driver, timeout, "BindFailed")
         self.write("bus/pci/drivers_probe", address, address, "BindFailed")
         _wait(lambda: self.driver(address) in (VFIO_DRIVER, None), timeout)
         now = self.driver(address)
@@ -263,14 +392,13 @@ class _Host:
             )
         return BindError(error.reason, f"{error}; rolled back, IOMMU group {self.group} is as it was")
 
-    def give_back(self, address: str, timeout: float, claim_wait: float) -> bool:
+    def give_back(self, address: str, timeout: float, claim_wait: float, override: str) -> bool:
         """One member off vfio-pci; False when there was nothing to do."""
         now = self.driver(address)
-        override = self.override(address)
-        if now is None or (now != VFIO_DRIVER and override != VFIO_DRIVER):
+        if now is None or (now != VFIO_DRIVER and self.override(address) != VFIO_DRIVER):
             return False
-        if override:
-            self.write(f"bus/pci/devices/{address}/driver_override", "\n", address, "GiveBackFailed")
+        if self.override(address) != override:
+            self.write(f"bus/pci/devices/{address}/driver_override", override or "\n", address, "GiveBackFailed")
         if now == VFIO_DRIVER:
             self.unbind(address, VFIO_DRIVER, timeout, "GiveBackFailed")
         self.write("bus/pci/drivers_probe", address, address, "GiveBackFailed")
@@ -282,6 +410,15 @@ class _Host:
                 "(vfio-pci.ids= on the kernel command line, or in /etc/modprobe.d); remove that to give it back",
             )
         return True
+
+
+def _errno_hint(number: int | None, relative: str) -> str:
+    """What a refused write means, where the kernel's errno says more than its text."""
+    if number == errno.ENODEV and relative.endswith("/bind"):
+        return " (ENODEV: the driver does not match the device, or its driver_override names another driver)"
+    if number == errno.EBUSY:
+        return " (EBUSY: the device already has a driver)"
+    return ""
 
 
 def _wait(done: Callable[[], bool], timeout: float) -> bool:

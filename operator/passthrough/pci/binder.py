@@ -1,0 +1,226 @@
+"""Runs the vfio sequences (`pci.vfio`) in a child process, each job under a deadline: a sysfs
+write that blocks (an unbind whose device someone holds, a driver's slow remove) blocks that
+child, never the agent, which keeps scanning, reporting and serving, and exits on SIGTERM.
+
+A job past its deadline is overdue: its group is left alone (`overdue`), its child is set aside
+and a fresh one takes the next job. The overdue write returns when the holder lets go; the child
+then reports, exits, and `on_finished` asks for a scan. A child blocked in a write cannot be
+killed until the write returns, so nobody waits for it.
+
+The child is `python -m passthrough.pci.binder`: one JSON job per line on stdin, one JSON answer
+per line on stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from passthrough.pci.vfio import BindError
+
+log = logging.getLogger(__name__)
+
+DEADLINE = 15.0  # seconds one job may take: writes of 1-140 ms, polls, the wait for /dev/vfio/<group>
+START_TIMEOUT = 120.0  # seconds a child may take to start (a Python start; slow under emulation)
+
+
+@dataclass
+class Overdue:
+    """A job whose write has not returned by its deadline."""
+
+    op: str
+    group: int
+    members: tuple[str, ...]
+    since: float  # time.monotonic() at the deadline
+
+    def message(self, deadline: float) -> str:
+        what = "binding it to vfio-pci" if self.op == "bind" else "giving it back"
+        return (
+            f"a sysfs write while {what} has not returned after {deadline:g} s: something holds IOMMU group "
+            f"{self.group} ({', '.join(self.members)}): a VMM, nvidia-persistenced, a CUDA process. The kernel finishes "
+            "the write once that lets go; until then the agent leaves the group alone"
+        )
+
+
+class Binder:
+    """Bind and release jobs, one at a time, in a child process that the agent never waits on."""
+
+    def __init__(
+        self,
+        deadline: float = DEADLINE,
+        start_timeout: float = START_TIMEOUT,
+        on_finished: Callable[[], None] | None = None,
+        command: tuple[str, ...] = (sys.executable, "-m", "passthrough.pci.binder"),
+    ) -> None:
+        self.deadline = deadline
+        self.start_timeout = start_timeout
+        self.on_finished = on_finished
+        self.command = command
+        self.overdue: dict[int, Overdue] = {}
+        self._worker: asyncio.subprocess.Process | None = None
+        self._set_aside: list[asyncio.subprocess.Process] = []
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+
+    def overdue_addresses(self) -> frozenset[str]:
+        return frozenset(a for job in self.overdue.values() for a in job.members)
+
+    async def bind(
+        self, sysfs_root: Path, dev_root: Path, group: int, members: list[str], timeout: float
+    ) -> tuple[int, dict[str, str]]:
+        """Returns the writes made and the members this job moved to vfio-pci, each with the
+        `driver_override` it had before (what a give-back restores); the latter also when the
+        job failed and left some there, as a rollback that failed does."""
+        answer = await self._run("bind", group, members, sysfs=str(sysfs_root), dev=str(dev_root), timeout=timeout)
+        return int(answer["writes"]), answer.get("moved") or {}
+
+    async def release(
+        self,
+        sysfs_root: Path,
+        dev_root: Path,
+        group: int,
+        members: list[str],
+        timeout: float,
+        overrides: Mapping[str, str] | None = None,
+    ) -> int:
+        answer = await self._run("release", group, members, sysfs=str(sysfs_root), dev=str(dev_root), timeout=timeout,
+                               overrides=dict(overrides or {}))  # fmt: skip
+        return int(answer["writes"])
+
+    async def close(self) -> None:
+        """Stop the children: the idle one at once; one blocked in a write dies when it returns."""
+        for worker in [*self._set_aside, *([self._worker] if self._worker else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                worker.kill()
+        if self._worker is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2):
+                    await self._worker.wait()
+        self._worker = None
+
+    # -- the parent's side -------------------------------------------------------------------
+
+    async def _run(self, op: str, group: int, members: list[str], **args: Any) -> dict[str, Any]:
+        if group in self.overdue:
+            raise BindError("WriteBlocked", self.overdue[group].message(self.deadline))
+        async with self._lock:
+            worker = await self._ready_worker()
+            job = {"id": next(self._ids), "op": op, "group": group, "members": members, **args}
+            assert worker.stdin is not None
+            worker.stdin.write(json.dumps(job).encode() + b"\n")
+            reply = asyncio.ensure_future(self._answer(worker))
+            try:
+                answer = await asyncio.wait_for(asyncio.shield(reply), self.deadline)
+            except TimeoutError:
+                late = Overdue(op, group, tuple(members), time.monotonic())
+                self.overdue[group] = late
+                self._worker = None  # a fresh child takes the next job
+                self._set_aside.append(worker)
+                reply.add_done_callback(lambda task: self._finished_late(late, worker, task))
+                log.warning("%s", late.message(self.deadline))
+                raise BindError("WriteBlocked", late.message(self.deadline)) from None
+        return _outcome(answer)
+
+    async def _ready_worker(self) -> asyncio.subprocess.Process:
+        if self._worker is not None and self._worker.returncode is None:
+            return self._worker
+        worker = await asyncio.create_subprocess_exec(
+            *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        try:
+            async with asyncio.timeout(self.start_timeout):
+                hello = await self._answer(worker)
+        except TimeoutError:
+            worker.kill()
+            raise BindError("BindFailed", f"the binder process did not start within {self.start_timeout:g} s") from None
+        if not hello.get("ready"):
+            worker.kill()
+            raise BindError("BindFailed", f"the binder process started wrongly: {hello}")
+        self._worker = worker
+        return worker
+
+    async def _answer(self, worker: asyncio.subprocess.Process) -> dict[str, Any]:
+        assert worker.stdout is not None
+        line = await worker.stdout.readline()
+        if not line:
+            code = await worker.wait()
+            if worker is self._worker:
+                self._worker = None
+            raise BindError("BindFailed", f"the binder process exited (code {code}) before it answered; the agent's log says why")
+        return json.loads(line)
+
+    def _finished_late(self, late: Overdue, worker: asyncio.subprocess.Process, task: asyncio.Future) -> None:
+        self.overdue.pop(late.group, None)
+        with contextlib.suppress(ValueError):
+            self._set_aside.remove(worker)
+        if worker.stdin is not None:
+            worker.stdin.close()  # it exits at the end of its input
+        if task.cancelled():
+            return
+        error = task.exception()
+        try:
+            outcome = f"done ({_outcome(task.result())['writes']} writes)" if error is None else f"failed ({error})"
+        except BindError as exc:
+            outcome = f"failed ({exc})"
+        log.info("the overdue %s of IOMMU group %d returned after %.1f s more: %s", late.op, late.group,
+                 time.monotonic() - late.since, outcome)  # fmt: skip
+        if self.on_finished is not None:
+            self.on_finished()
+
+
+def _outcome(answer: dict[str, Any]) -> dict[str, Any]:
+    if "reason" in answer:
+        error = BindError(answer["reason"], answer["message"])
+        error.moved = answer.get("moved") or {}  # type: ignore[attr-defined]
+        raise error
+    return answer
+
+
+# -- the child's side ------------------------------------------------------------------------
+
+
+def _do(job: dict[str, Any]) -> dict[str, Any]:
+    from passthrough.pci import vfio
+
+    sysfs, dev = Path(job["sysfs"]), Path(job["dev"])
+    answer: dict[str, Any] = {"id": job["id"]}
+    before = {a: vfio.state(sysfs, a) for a in job["members"]} if job["op"] == "bind" else {}
+    try:
+        if job["op"] == "bind":
+            answer["writes"] = vfio.bind_group(sysfs, dev, job["group"], job["members"], job["timeout"])
+        else:
+            answer["writes"] = vfio.release_group(sysfs, dev, job["group"], job["members"], job["timeout"],
+                                                  overrides=job.get("overrides"))  # fmt: skip
+    except BindError as exc:
+        answer.update(reason=exc.reason, message=str(exc))
+    except Exception as exc:  # a bug must not take the channel down: say it, and go on
+        answer.update(reason="BindFailed", message=f"the binder failed: {type(exc).__name__}: {exc}")
+    # What this job moved to vfio-pci, success or not: only that is the agent's to give back.
+    answer["moved"] = {
+        a: override for a, (driver, override) in before.items()
+        if driver not in (None, vfio.VFIO_DRIVER) and vfio.state(sysfs, a)[0] == vfio.VFIO_DRIVER
+    }
+    return answer
+
+
+def main() -> None:
+    out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        if line.strip():
+            out.write(json.dumps(_do(json.loads(line))) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The binder runs vfio sequences in a child process under a deadline: a sysfs write that blocks
+(as an unbind of a held device does on Linux) holds up that child, never the agent.
+
+The blocking write here is real: the `unbind` file is a FIFO nobody reads, so the child's
+open(2) blocks in the kernel until the test opens the other end, as the kernel's unbind
+returns only once the device's holder lets go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from e2e.fakesysfs import gpu_node
+from passthrough.pci.binder import Binder
+from passthrough.pci.vfio import BindError
+
+GPU, AUDIO = "0000:3b:00.0", "0000:3b:00.1"
+OTHER_GPU, OTHER_AUDIO = "0000:af:00.0", "0000:af:00.1"
+
+
+def block_unbind(host, driver: str):
+    """Make `drivers/<driver>/unbind` a FIFO: a write to it blocks until someone reads."""
+    path = host.sysfs / "bus" / "pci" / "drivers" / driver / "unbind"
+    path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+def let_go(path) -> None:
+    """The holder lets go: the blocked write returns."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    time.sleep(0.2)
+    os.close(fd)
+
+
+async def test_a_write_that_blocks_past_its_deadline_is_write_blocked_and_left_alone(tmp_path):
+    host = gpu_node(tmp_path)
+    fifo = block_unbind(host, "nvidia")
+    finished = asyncio.Event()
+    binder = Binder(deadline=1.5, on_finished=finished.set)
+    try:
+        started = time.monotonic()
+        with pytest.raises(BindError) as e:
+            await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+        assert e.value.reason == "WriteBlocked"
+        assert "has not returned after 1.5 s" in str(e.value) and "IOMMU group 20" in str(e.value)
+        assert time.monotonic() - started < 10  # the deadline, plus one child's start
+        assert binder.overdue_addresses() == {GPU, AUDIO}
+        # Asked again while the write is in flight: refused at once, nothing sent to a child.
+        with pytest.raises(BindError) as again:
+            await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+        assert again.value.reason == "WriteBlocked"
+        # Another group is served by a fresh child meanwhile: an answer, not a wait (nothing of
+        # group 21 is on vfio-pci, so nothing to give back).
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        assert not finished.is_set()
+        await asyncio.to_thread(let_go, fifo)
+        await asyncio.wait_for(finished.wait(), 10)
+        assert binder.overdue == {}
+    finally:
+        await binder.close()
+
+
+async def test_closing_does_not_wait_for_a_child_blocked_in_the_kernel(tmp_path):
+    host = gpu_node(tmp_path)
+    fifo = block_unbind(host, "nvidia")
+    binder = Binder(deadline=1.0)
+    with pytest.raises(BindError):
+        await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+    started = time.monotonic()
+    await binder.close()  # SIGTERM to the agent: it must exit although the write has not returned
+    assert time.monotonic() - started < 3
+    await asyncio.to_thread(let_go, fifo)  # the killed child dies once its write returns
+
+
+async def test_a_child_that_dies_is_replaced_for_the_next_job(tmp_path):
+    host = gpu_node(tmp_path)
+    binder = Binder(deadline=5)
+    try:
+        with pytest.raises(BindError) as e:
+            await binder.bind(host.sysfs, host.dev, 20, ["0000:ff:00.0"], timeout=0.2)
+        assert e.value.reason == "DeviceGone"
+        binder._worker.kill()
+        await binder._worker.wait()
+        with pytest.raises(BindError) as e:
+            await binder.bind(host.sysfs, host.dev, 20, ["0000:ff:00.0"], timeout=0.2)
+        assert e.value.reason == "DeviceGone"  # answered by a new child
+    finally:
+        await binder.close()
