@@ -46,7 +46,7 @@ from e2e.processes import OperatorProcess  # noqa: E402
 from passthrough.agent import report  # noqa: E402
 from passthrough.api.models import API_VERSION, GROUP, VERSION  # noqa: E402
 from passthrough.controller import lifecycle  # noqa: E402
-from passthrough.controller.informer import Informer  # noqa: E402
+from passthrough.kube.cache import Informer  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
 from passthrough.kube.custom import AGENT_MANAGER, OPERATOR_MANAGER, Custom  # noqa: E402
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from passthrough.controller.informer import Index, Informer
+from passthrough.kube.cache import Index, Informer
 from passthrough.kube.client import ApiError
 
 
@@ -154,17 +154,17 @@ async def test_a_broken_watch_is_retried_from_where_it_was():
 
 async def test_an_error_answer_to_the_listing_is_raised_and_retried():
     objects = FakeObjects([obj("a", 1)])
-    objects.refusals = [429]
+    objects.refusals = [503]
     inf = informer(objects, [])
     with pytest.raises(ApiError):
-        await inf._relist()
-    await inf._relist()
+        await inf.relist()
+    await inf.relist()
     assert len(inf) == 1
 
 
 async def test_an_object_whose_view_fails_is_skipped_and_the_others_are_cached(caplog):
     objects = FakeObjects([obj("a", 1), {"metadata": {"name": "odd"}}, obj("b", 2)])  # no resourceVersion
     inf = informer(objects, [])
-    await inf._relist()
+    await inf.relist()
     assert sorted(inf.indexes["by_name"]) == ["a", "b"]
     assert "things odd cannot be read (KeyError" in caplog.text

@@ -20,9 +20,9 @@ import kopf
 from passthrough.admission.rules import PREFIX as EXCLUSIVE_PREFIX, referenced_device_names
 from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE, VERSION
 from passthrough.controller import reconciler as rec
-from passthrough.controller.informer import Informer
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, device_sync_inputs, node_device_sync_inputs
 from passthrough.controller.lifecycle import Device, NodeDevice
+from passthrough.kube.cache import Informer
 from passthrough.kube.connect import session
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     memo.api = await session(memo.get("kubeconfig"), connections=memo.get("connections", 16))
-    # The kinds that number in the thousands are cached by our own informers (see informer.py);
+    # The kinds that number in the thousands are cached by our own informers (see kube/cache.py);
     # the few namespaces, nodes, VMs, configs and KubeVirt CRs stay in Kopf's indexes.
     memo.node_devices = Informer(memo.api, NODE_PCI_DEVICE.plural, NodeDevice.of, NODE_DEVICE_INDEXES,
                                  lambda old, new: _node_device_changed(memo, old, new))
