@@ -7,6 +7,7 @@ kubelet is needed (its device plugins wait for one, quietly).
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,8 @@ async def events_for(api, name: str, reason: str) -> list:
 def run_agent(cluster, tmp_path):
     started = []
 
-    def start(node: str, host) -> AgentProcess:
-        agent = AgentProcess(cluster, tmp_path / "agent.log", node, host, PCI_IDS).start()
+    def start(node: str, host, *args: str) -> AgentProcess:
+        agent = AgentProcess(cluster, tmp_path / "agent.log", node, host, PCI_IDS, *args).start()
         started.append(agent)
         return agent
 
@@ -85,21 +86,54 @@ async def test_vfio_pci_not_loaded_is_said_on_the_device_and_the_bind_happens_on
         assert {host.driver(a) for a in ("0000:3b:00.0", "0000:3b:00.1", "0000:af:00.0", "0000:af:00.1")} == {"vfio-pci"}
 
 
-async def test_a_driver_that_will_not_let_go_leaves_its_group_as_it_was_and_the_rest_goes_on(api, gpu_mode_node, tmp_path, run_agent):
+async def test_an_unbind_that_blocks_leaves_the_agent_reporting_and_stoppable(api, gpu_mode_node, tmp_path, cluster):
+    # Linux blocks the unbind of a held device until the holder lets go. The agent must neither
+    # hang with it nor unbind anything else of the group behind its back.
     host = fakesysfs.gpu_node(tmp_path / "host")
-    host.set_busy("0000:3b:00.0")  # nvidia-persistenced holds the first GPU
+    host.hold("0000:3b:00.1")  # something holds the first GPU's audio function
+    with FakeKernel(host):
+        agent = AgentProcess(cluster, tmp_path / "agent.log", gpu_mode_node.name, host, PCI_IDS,
+                             "--write-deadline=2s").start()  # fmt: skip
+        try:
+            cond = await wait_ready(api, gpu_mode_node.name, "0000:3b:00.1", "WriteBlocked", agent)
+            assert cond["status"] == "False" and "has not returned after 2 s" in cond["message"], cond
+            assert "IOMMU group 20" in cond["message"] and "leaves the group alone" in cond["message"]
+            # The other group is not held back by it, and the scans go on.
+            await wait_ready(api, gpu_mode_node.name, "0000:af:00.0", "Ready", agent)
+            assert host.driver("0000:af:00.0") == "vfio-pci"
+        finally:
+            started = time.monotonic()
+            code = agent.stop()  # SIGTERM while the write is still blocked
+            stopped_in = time.monotonic() - started
+            host.release("0000:3b:00.1")  # the blocked child finishes its write, then dies
+    assert code == 0 and stopped_in < 10, agent.output()[-3000:]
+    assert "Traceback" not in agent.output()
+
+
+async def test_an_overdue_write_that_returns_lets_the_group_go_on(api, gpu_mode_node, tmp_path, run_agent):
+    host = fakesysfs.gpu_node(tmp_path / "host")
+    host.hold("0000:3b:00.1")
+    with FakeKernel(host):
+        agent = run_agent(gpu_mode_node.name, host, "--write-deadline=2s")
+        await wait_ready(api, gpu_mode_node.name, "0000:3b:00.0", "WriteBlocked", agent)
+        host.release("0000:3b:00.1")  # the holder lets go: the write returns, the agent scans again
+        await wait_ready(api, gpu_mode_node.name, "0000:3b:00.0", "Ready", agent, timeout=40)
+        assert host.driver("0000:3b:00.0") == host.driver("0000:3b:00.1") == "vfio-pci"
+
+
+async def test_a_gpu_whose_nvidia_driver_has_users_stays_and_says_how_to_prepare_the_node(api, gpu_mode_node, tmp_path, run_agent):
+    host = fakesysfs.gpu_node(tmp_path / "host")
+    module = host.sysfs / "module" / "nvidia"
+    (module / "holders" / "nvidia_uvm").mkdir(parents=True)
+    (module / "refcnt").write_text("2\n")  # nvidia_uvm, and nvidia-persistenced
     with FakeKernel(host):
         agent = run_agent(gpu_mode_node.name, host)
-        cond = await wait_ready(api, gpu_mode_node.name, "0000:3b:00.0", "UnbindRefused", agent)
-        assert "nvidia" in cond["message"] and cond["status"] == "False", cond
-        # Whole or nothing: the audio function of the same group was rolled back to its driver.
+        cond = await wait_ready(api, gpu_mode_node.name, "0000:3b:00.0", "VendorDriverInUse", agent)
+        assert cond["status"] == "False" and "vfio-pci.ids=10de:2236" in cond["message"], cond
+        assert "driverctl set-override 0000:3b:00.0 vfio-pci" in cond["message"]
         assert (host.driver("0000:3b:00.0"), host.driver("0000:3b:00.1")) == ("nvidia", "snd_hda_intel")
-        audio = (await ready_of(api, gpu_mode_node.name))["0000:3b:00.1"]
-        assert audio["reason"] == "UnbindRefused"
-        # The other group is not held back by it.
-        await wait_ready(api, gpu_mode_node.name, "0000:af:00.0", "Ready", agent)
-        assert host.driver("0000:af:00.0") == "vfio-pci"
-
-        host.set_busy("0000:3b:00.0", False)  # the admin stops what held it
+        [event] = await support.wait_for(lambda: events_for(api, cond["object"], "VendorDriverInUse"), 10, what="an Event")
+        assert event.type == "Warning"
+        (module / "refcnt").write_text("1\n")  # nvidia-persistenced stopped: the agent's retry moves it
         await wait_ready(api, gpu_mode_node.name, "0000:3b:00.0", "Ready", agent, timeout=40)
         assert host.driver("0000:3b:00.0") == "vfio-pci"

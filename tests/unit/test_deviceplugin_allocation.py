@@ -129,3 +129,17 @@ def test_preferred_allocation_uses_one_node_when_one_node_has_enough(devices, si
         return
     chosen = preferred_allocation(available, [], size, devices)
     assert len({devices[c].numa_node for c in chosen}) == 1
+
+
+def test_iommufd_nodes_are_handed_over_only_for_devices_that_have_them():
+    # KubeVirt 1.9's IOMMUFD gate opens /dev/vfio/devices/vfio<N> and /dev/iommu; 1.9.0 broke on
+    # kernels without them, so a device without its character device gets neither.
+    devices = {
+        "0000:3b:00.0": PluginDevice("0000:3b:00.0", 20, cdev="vfio0"),
+        "0000:af:00.0": PluginDevice("0000:af:00.0", 21),
+    }
+    with_cdev = allocate_response("nvidia.com/GA102GL_A10", ["0000:3b:00.0"], devices)
+    assert [d.container_path for d in with_cdev.devices] == [
+        "/dev/vfio/vfio", "/dev/vfio/20", "/dev/vfio/devices/vfio0", "/dev/iommu"]  # fmt: skip
+    without = allocate_response("nvidia.com/GA102GL_A10", ["0000:af:00.0"], devices)
+    assert [d.container_path for d in without.devices] == ["/dev/vfio/vfio", "/dev/vfio/21"]

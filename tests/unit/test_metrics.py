@@ -8,6 +8,8 @@ tests/integration/test_metrics.py.
 
 from __future__ import annotations
 
+import os
+
 import asyncio
 import dataclasses
 import datetime
@@ -207,8 +209,8 @@ async def test_binds_and_give_backs_are_counted_with_their_failures_by_reason(tm
         return {
             "bound": value(agent_metrics.AGENT, "passthrough_agent_vfio_binds_total"),
             "given back": value(agent_metrics.AGENT, "passthrough_agent_vfio_give_backs_total"),
-            "bind refused": value(agent_metrics.AGENT, "passthrough_agent_vfio_bind_failures_total", reason="UnbindRefused"),
-            "give-back refused": value(agent_metrics.AGENT, "passthrough_agent_vfio_give_back_failures_total", reason="UnbindRefused"),
+            "bind refused": value(agent_metrics.AGENT, "passthrough_agent_vfio_bind_failures_total", reason="VendorDriverInUse"),
+            "give-back failed": value(agent_metrics.AGENT, "passthrough_agent_vfio_give_back_failures_total", reason="GiveBackFailed"),
         }
 
     gpu, audio, other_gpu, other_audio = "0000:3b:00.0", "0000:3b:00.1", "0000:af:00.0", "0000:af:00.1"
@@ -217,19 +219,28 @@ async def test_binds_and_give_backs_are_counted_with_their_failures_by_reason(tm
         with FakeKernel(gpu_node(tmp_path)) as kernel:
             host = kernel.host
             handover = Handover(host.sysfs, host.dev, plugin_dir, plugin_dir / "pr.sock", bind_timeout=0.3)
-            before = counts()
-            await handover.carry_out(Plan(bind={20: (gpu, audio)}))
-            await handover.carry_out(Plan(bind={20: (gpu, audio)}))  # already on vfio-pci: no news
-            host.set_busy(other_gpu)
-            await handover.carry_out(Plan(bind={21: (other_gpu, other_audio)}))
-            host.set_busy(gpu)  # a VM holds it
-            await handover.carry_out(Plan(release={20: (gpu, audio)}))
-            host.set_busy(gpu, False)
-            await handover.carry_out(Plan(release={20: (gpu, audio)}))
-            after = counts()
+            try:
+                before = counts()
+                await handover.carry_out(Plan(bind={20: (gpu, audio)}))
+                await handover.carry_out(Plan(bind={20: (gpu, audio)}))  # already on vfio-pci: no news
+                module = host.sysfs / "module" / "nvidia"
+                module.mkdir(parents=True)
+                (module / "refcnt").write_text("1\n")  # nvidia-persistenced has it open
+                await handover.carry_out(Plan(bind={21: (other_gpu, other_audio)}))
+                vmm = os.open(host.vfio_node(20), os.O_RDWR)  # a VM holds group 20: waiting, no failure
+                held = await handover.carry_out(Plan(release={20: (gpu, audio)}))
+                os.close(vmm)
+                assert held.waiting[gpu].reason == "HeldByProcess"
+                host.set_default_driver(gpu, "vfio-pci")  # vfio-pci.ids=: it comes straight back
+                await handover.carry_out(Plan(release={20: (gpu, audio)}))
+                host.set_default_driver(gpu, "nvidia")
+                await handover.carry_out(Plan(release={20: (gpu, audio)}))
+                after = counts()
+            finally:
+                await handover.close()
     finally:
         await pods.stop(0)
-    assert {key: after[key] - before[key] for key in before} == {"bound": 1, "given back": 1, "bind refused": 1, "give-back refused": 1}
+    assert {key: after[key] - before[key] for key in before} == {"bound": 1, "given back": 1, "bind refused": 1, "give-back failed": 1}
 
 
 # -- the device plugins ------------------------------------------------------------------------------
