@@ -133,8 +133,9 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
         "/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
         "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", False),
         "/host/dev/vfio": ("/dev/vfio", True),
+        "/run/passthrough": ("/run/passthrough", False),
     }
-    assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev"} <= set(agent["command"])
+    assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev", "--state-dir=/run/passthrough"} <= set(agent["command"])
     assert "--no-pool-resources" not in agent["command"]
 
 

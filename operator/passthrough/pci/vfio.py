@@ -144,7 +144,10 @@ def device_healthy(sysfs_root: Path, dev_root: Path, address: str, group: int) -
 
 def held_by_process(dev_root: Path, group: int) -> bool:
     """Whether something holds `/dev/vfio/<group>` open: the kernel lets one open it at a time
-    (EBUSY for the rest), so an open that succeeds, closed at once, means nobody does."""
+    (EBUSY for the rest), so an open that succeeds, closed at once, means nobody does.
+
+    A process that may not open the node (a container whose device cgroup does not list it)
+    learns nothing here (False): the kubelet's PodResources, asked first, is then the judge."""
     try:
         fd = os.open(os.path.join(dev_root, "vfio", str(group)), os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
