@@ -204,6 +204,10 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
+    def add(self, other: Plan) -> None:
+        self.writes += other.writes
+        self.events += other.events
+
 
 # -- helpers ------------------------------------------------------------------------------
 
@@ -258,172 +262,280 @@ def device_body(name: str, namespace: str, metadata: dict[str, Any], uid: str = 
 
 
 # -- the decision -------------------------------------------------------------------------
+# Four steps, each of which reads what the earlier ones found: the verdict (where the device
+# goes, and whether it may be there now), the PCIDevice writes, the finalizers, the
+# NodePCIDevice's status.
 
 
 def decide(world: World) -> Plan:
-    plan = Plan()
     npci = world.node_device
-    referenced = {d.namespace: world.referencing_vms.get(d.namespace, ()) for d in world.devices}
-
     if npci is None:
         # The NodePCIDevice is gone; the garbage collector deletes its PCIDevices. All that is
         # left to us is to let go of those no VM references any more.
-        for device in world.devices:
-            if device.deleting and not referenced[device.namespace] and FINALIZER in device.metadata["finalizers"]:
-                wanted = {**device.metadata, "finalizers": []}
-                plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
+        return Plan(writes=_released_finalizers(world, Holders.of(world, "", None)))
+    absence = Absence.of(npci, world)
+    verdict = Verdict.of(npci, world, absence)
+    holders = Holders.of(world, verdict.target, verdict.phase, verdict.current)
+    plan = Plan()
+    plan.add(_device_writes(npci, world, verdict, absence, holders))
+    collected = _collection(npci, world, absence, verdict, holders)
+    if collected is not None:
+        plan.add(collected)
         return plan
-
-    node_gone = not world.node_present
-    missing = node_gone or (npci.ready is not None and npci.ready.reason == "NotFound")
-    # Counted from when this operator first saw it NotFound (or its Node gone), by its own clock:
-    # Ready's transition time is the node's clock, and it does not move when NotReady turns into
-    # NotFound.
-    missing_since = _since(npci.missing_since, world.now) if missing else None
-    expired = missing and world.now - missing_since >= world.grace
-    wanted_missing_since = timestamp(missing_since) if missing_since else ""
-    # The Node's absence has a clock of its own: a device NotFound for an hour whose Node is
-    # then deleted still waits the whole grace period for the Node to register again.
-    node_gone_since = _since(npci.node_gone_since, world.now) if node_gone else None
-    node_expired = node_gone and world.now - node_gone_since >= world.grace
-    wanted_node_gone_since = timestamp(node_gone_since) if node_gone_since else ""
-
-    target = "" if npci.deleting else npci.assigned_namespace
-    phase = world.namespaces.get(target) if target else None
-    # A device is handed out only while it is Ready (eligible, bound, present); one already
-    # handed out keeps its PCIDevice through NotReady, and through NotFound for the grace period.
-    # An assignment belongs to the namespace it was handed to (its uid): one deleted and made
-    # again under the same name, perhaps by another tenant, does not inherit the device.
-    target_uid = world.namespace_uids.get(target, "") if target else ""
-    handed_name, handed_uid = npci.handed_to
-    recreated = bool(target and handed_name == target and handed_uid and target_uid and handed_uid != target_uid)
-    handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
-    not_ready = bool(target) and not handed_out and (node_gone or not (npci.ready is not None and npci.ready.status == "True"))
-    # A group member assigned elsewhere blocks a new hand-out; one already handed out stays.
-    conflict = next(((other, ns) for other, ns in sorted(world.group.items()) if ns and ns != target), None)
-    conflict = conflict if target and not handed_out else None
-    usable = (bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not expired and not not_ready
-              and conflict is None and not recreated)  # fmt: skip
-    current = next((d for d in world.devices if d.namespace == target), None) if usable else None
-
-    # PCIDevices that must go: every one but the current one in the target namespace. One a VM
-    # references gets the finalizer first, so it stays Terminating until the VM lets go.
-    for device in world.devices:
-        if device is current or device.deleting:
-            continue
-        if device.namespace == target and phase == "Terminating":
-            continue  # the namespace controller removes it with everything else there
-        if referenced[device.namespace] and FINALIZER not in device.metadata["finalizers"]:
-            wanted = {**device.metadata, "finalizers": [FINALIZER]}
-            plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
-            plan.writes.append(DeleteDevice(device.namespace, device.uid))  # the finalizer write moved its version
-        else:
-            plan.writes.append(DeleteDevice(device.namespace, device.uid, device.resource_version))
-    leaving = [d for d in world.devices if d is not current or d.deleting]
-    # Of those, the ones that outlive this plan: a VM holds them (or their namespace is going).
-    lingering = [d for d in leaving if referenced[d.namespace] or (d.namespace == target and phase == "Terminating")]
-
-    # VMs of another namespace that still hold the device (reassigned under them): until they
-    # let go, VMs of the target namespace wait, and both objects say so.
-    held_elsewhere = {d.namespace: referenced[d.namespace] for d in lingering if d.namespace != target and referenced[d.namespace]}
-
-    # The PCIDevice in the target namespace, and its status.
-    will_exist = usable and (current is None or not current.deleting)
-    if will_exist:
-        vms = world.referencing_vms.get(target, ())
-        wanted = device_metadata(npci, target, finalizer=bool(vms))
-        if current is None or _metadata_differs(current, wanted):
-            plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
-        gone_since = _node_gone_note(npci, world, node_gone_since) if node_gone else ""
-        status = _device_status(npci, current, vms, world.now, held_elsewhere, gone_since)
-        if current is None or _status_differs(current.status, status):
-            plan.writes.append(
-                ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status})
-            )
-            plan.events.extend(_device_events(npci, current, status, target))
-
-    # A PCIDevice being deleted keeps its finalizer while a VM references it, and loses it once
-    # none does. It cannot gain one: the API server refuses new finalizers on a deleting object.
-    for device in world.devices:
-        if device.deleting:
-            want = bool(referenced[device.namespace])
-            if not want and FINALIZER in device.metadata["finalizers"]:
-                wanted = {**device.metadata, "finalizers": []}
-                plan.writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
-
-    # The NodePCIDevice: deleted when it is unassigned and gone from its node, or when its Node
-    # has stayed gone longer than the grace period (assigned or not: the admin is told).
-    if node_expired and not npci.deleting:
-        plan.writes.append(DeleteNodeDevice(npci.uid, npci.resource_version))
-        was = f"; it was assigned to {npci.assigned_namespace}, assign it again if the node returns" if npci.assigned_namespace else ""
-        plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning", "Collected",
-                                 f"Node {npci.node_name} has been gone since {timestamp(node_gone_since)}, longer than the "
-                                 f"{format_duration(world.grace)} grace period: NodePCIDevice {npci.name} removed{was}."))
-        return plan
-    if missing and not node_gone and not npci.assigned_namespace and not npci.deleting and not lingering and current is None:
-        plan.writes.append(DeleteNodeDevice(npci.uid, npci.resource_version))
-        return plan
-
-    attached_anywhere = {ns: vms for ns, vms in referenced.items() if vms}
-    if will_exist and world.referencing_vms.get(target):
-        attached_anywhere[target] = world.referencing_vms[target]
-    want_finalizer = bool(lingering) if npci.deleting else bool(attached_anywhere)
-    # Nor can a NodePCIDevice being deleted gain one.
-    if want_finalizer != (FINALIZER in npci.finalizers) and not (npci.deleting and want_finalizer):
-        plan.writes.append(
-            ApplyNodeDeviceFinalizer(
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": NODE_PCI_DEVICE.kind,
-                    "metadata": {"name": npci.name, "uid": npci.uid, "finalizers": [FINALIZER] if want_finalizer else []},
-                }
-            )
-        )
+    plan.writes += _node_finalizer(npci, world, verdict, holders)
     if npci.deleting:
         return plan
+    plan.add(_node_status(npci, world, verdict, absence, holders))
+    plan.requeue_after = _requeue_after(world, verdict, absence)
+    return plan
 
-    assigned = _assigned_condition(npci, world, target, phase, expired, missing_since, node_gone_since, will_exist, lingering,
-                                   referenced, not_ready, conflict, recreated)  # fmt: skip
-    waiting = world.referencing_vms.get(target, ()) if will_exist and held_elsewhere else ()
-    claims = {ns: vms for ns, vms in attached_anywhere.items() if not (waiting and ns == target)}
+
+@dataclass(frozen=True)
+class Absence:
+    """How long the device has been missing from its node (NotFound, or its Node gone), and
+    its Node gone: each counted from when this operator first saw it, by its own clock (Ready's
+    transition time is the node's clock, and it does not move when NotReady turns into
+    NotFound). The Node's absence has a clock of its own: a device NotFound for an hour whose
+    Node is then deleted still waits the whole grace period for the Node to register again."""
+
+    node_gone: bool
+    missing_since: datetime.datetime | None  # None while the device is not missing
+    node_gone_since: datetime.datetime | None  # None while its Node exists
+    expired: bool  # missing for longer than the grace period
+    node_expired: bool  # its Node gone for longer than the grace period
+
+    @classmethod
+    def of(cls, npci: NodeDevice, world: World) -> Absence:
+        node_gone = not world.node_present
+        missing = node_gone or (npci.ready is not None and npci.ready.reason == "NotFound")
+        missing_since = _since(npci.missing_since, world.now) if missing else None
+        node_gone_since = _since(npci.node_gone_since, world.now) if node_gone else None
+        return cls(
+            node_gone=node_gone,
+            missing_since=missing_since,
+            node_gone_since=node_gone_since,
+            expired=missing_since is not None and world.now - missing_since >= world.grace,
+            node_expired=node_gone_since is not None and world.now - node_gone_since >= world.grace,
+        )
+
+    @property
+    def missing(self) -> bool:
+        return self.missing_since is not None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Where the device goes, and whether it may have its PCIDevice there now.
+
+    A device is handed out only while it is Ready (eligible, bound, present); one already
+    handed out keeps its PCIDevice through NotReady, and through NotFound for the grace period.
+    An assignment belongs to the namespace it was handed to (its uid): one deleted and made
+    again under the same name, perhaps by another tenant, does not inherit the device. A group
+    member assigned elsewhere blocks a new hand-out; one already handed out stays.
+    """
+
+    target: str  # the namespace assigned ("" when none, or the NodePCIDevice is being deleted)
+    phase: str | None  # the target's phase (None: it does not exist)
+    target_uid: str
+    recreated: bool  # the target was deleted and made again since the device was handed to it
+    not_ready: bool  # not handed out yet, and not Ready to be
+    conflict: tuple[str, str] | None  # (member, namespace) of the IOMMU group assigned elsewhere
+    usable: bool  # the target may have its PCIDevice now
+    current: Device | None  # the target's PCIDevice, when usable and there is one
+    will_exist: bool  # the target's PCIDevice is there (or made) after this plan
+
+    @classmethod
+    def of(cls, npci: NodeDevice, world: World, absence: Absence) -> Verdict:
+        target = "" if npci.deleting else npci.assigned_namespace
+        phase = world.namespaces.get(target) if target else None
+        target_uid = world.namespace_uids.get(target, "") if target else ""
+        handed_name, handed_uid = npci.handed_to
+        recreated = bool(target and handed_name == target and handed_uid and target_uid and handed_uid != target_uid)
+        handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
+        ready = npci.ready is not None and npci.ready.status == "True"
+        not_ready = bool(target) and not handed_out and (absence.node_gone or not ready)
+        conflict = next(((other, ns) for other, ns in sorted(world.group.items()) if ns and ns != target), None)
+        conflict = conflict if target and not handed_out else None
+        usable = (bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not absence.expired
+                  and not not_ready and conflict is None and not recreated)  # fmt: skip
+        current = next((d for d in world.devices if d.namespace == target), None) if usable else None
+        return cls(target=target, phase=phase, target_uid=target_uid, recreated=recreated, not_ready=not_ready,
+                   conflict=conflict, usable=usable, current=current,
+                   will_exist=usable and (current is None or not current.deleting))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Holders:
+    """The VMs that list the device, and the PCIDevices that go (every one but the current one)."""
+
+    referenced: Mapping[str, tuple[str, ...]]  # namespace of each PCIDevice -> the VMs there that list it
+    leaving: tuple[Device, ...]
+    # Of those, the ones that outlive this plan: a VM holds them (or their namespace is going).
+    lingering: tuple[Device, ...]
+    # VMs of another namespace that still hold the device (reassigned under them): until they
+    # let go, VMs of the target namespace wait, and both objects say so.
+    held_elsewhere: Mapping[str, tuple[str, ...]]
+
+    @classmethod
+    def of(cls, world: World, target: str, phase: str | None, current: Device | None = None) -> Holders:
+        referenced = {d.namespace: world.referencing_vms.get(d.namespace, ()) for d in world.devices}
+        leaving = tuple(d for d in world.devices if d is not current or d.deleting)
+        lingering = tuple(d for d in leaving if referenced[d.namespace] or (d.namespace == target and phase == "Terminating"))
+        held_elsewhere = {d.namespace: referenced[d.namespace] for d in lingering if d.namespace != target and referenced[d.namespace]}
+        return cls(referenced, leaving, lingering, held_elsewhere)
+
+
+def _users(world: World, verdict: Verdict, holders: Holders) -> dict[str, tuple[str, ...]]:
+    """Namespace -> the VMs there that list the device, wherever its PCIDevice is."""
+    users = {ns: vms for ns, vms in holders.referenced.items() if vms}
+    if verdict.will_exist and world.referencing_vms.get(verdict.target):
+        users[verdict.target] = world.referencing_vms[verdict.target]
+    return users
+
+
+# -- the PCIDevices ---------------------------------------------------------------------------
+
+
+def _device_writes(npci: NodeDevice, world: World, verdict: Verdict, absence: Absence, holders: Holders) -> Plan:
+    plan = Plan(writes=_departures(world, verdict, holders))
+    plan.add(_target_device(npci, world, verdict, absence, holders))
+    plan.writes += _released_finalizers(world, holders)
+    return plan
+
+
+def _departures(world: World, verdict: Verdict, holders: Holders) -> list[Any]:
+    """PCIDevices that must go: every one but the current one in the target namespace. One a VM
+    references gets the finalizer first, so it stays Terminating until the VM lets go."""
+    writes: list[Any] = []
+    for device in world.devices:
+        if device is verdict.current or device.deleting:
+            continue
+        if device.namespace == verdict.target and verdict.phase == "Terminating":
+            continue  # the namespace controller removes it with everything else there
+        if holders.referenced[device.namespace] and FINALIZER not in device.metadata["finalizers"]:
+            wanted = {**device.metadata, "finalizers": [FINALIZER]}
+            writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
+            writes.append(DeleteDevice(device.namespace, device.uid))  # the finalizer write moved its version
+        else:
+            writes.append(DeleteDevice(device.namespace, device.uid, device.resource_version))
+    return writes
+
+
+def _target_device(npci: NodeDevice, world: World, verdict: Verdict, absence: Absence, holders: Holders) -> Plan:
+    """The PCIDevice in the target namespace, and its status."""
+    plan = Plan()
+    if not verdict.will_exist:
+        return plan
+    target, current = verdict.target, verdict.current
+    vms = world.referencing_vms.get(target, ())
+    wanted = device_metadata(npci, target, finalizer=bool(vms))
+    if current is None or _metadata_differs(current, wanted):
+        plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
+    gone = _node_gone_note(npci, world, absence.node_gone_since) if absence.node_gone else ""
+    status = _device_status(npci, current, vms, world.now, holders.held_elsewhere, gone)
+    if current is None or _status_differs(current.status, status):
+        plan.writes.append(ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status}))
+        plan.events.extend(_device_events(npci, current, status, target))
+    return plan
+
+
+def _released_finalizers(world: World, holders: Holders) -> list[Any]:
+    """A PCIDevice being deleted keeps its finalizer while a VM references it, and loses it once
+    none does. It cannot gain one: the API server refuses new finalizers on a deleting object."""
+    return [
+        ApplyDevice(device.namespace, device_body(device.name, device.namespace, {**device.metadata, "finalizers": []}, device.uid))
+        for device in world.devices
+        if device.deleting and not holders.referenced[device.namespace] and FINALIZER in device.metadata["finalizers"]
+    ]
+
+
+# -- the NodePCIDevice ------------------------------------------------------------------------
+
+
+def _collection(npci: NodeDevice, world: World, absence: Absence, verdict: Verdict, holders: Holders) -> Plan | None:
+    """The NodePCIDevice deleted: when it is unassigned and gone from its node, or when its Node
+    has stayed gone longer than the grace period (assigned or not: the admin is told)."""
+    if npci.deleting:
+        return None
+    if absence.node_expired:
+        was = f"; it was assigned to {npci.assigned_namespace}, assign it again if the node returns" if npci.assigned_namespace else ""
+        message = (f"Node {npci.node_name} has been gone since {timestamp(absence.node_gone_since)}, longer than the "
+                   f"{format_duration(world.grace)} grace period: NodePCIDevice {npci.name} removed{was}.")  # fmt: skip
+        return Plan(writes=[DeleteNodeDevice(npci.uid, npci.resource_version)],
+                    events=[Event(NODE_PCI_DEVICE.kind, "", "Warning", "Collected", message)])  # fmt: skip
+    if (absence.missing and not absence.node_gone and not npci.assigned_namespace and not holders.lingering
+            and verdict.current is None):  # fmt: skip
+        return Plan(writes=[DeleteNodeDevice(npci.uid, npci.resource_version)])
+    return None
+
+
+def _node_finalizer(npci: NodeDevice, world: World, verdict: Verdict, holders: Holders) -> list[Any]:
+    """The NodePCIDevice holds the finalizer while a VM uses the device; one being deleted, while
+    a PCIDevice lingers. Nor can a NodePCIDevice being deleted gain one."""
+    want = bool(holders.lingering) if npci.deleting else bool(_users(world, verdict, holders))
+    if want == (FINALIZER in npci.finalizers) or (npci.deleting and want):
+        return []
+    body = {"apiVersion": API_VERSION, "kind": NODE_PCI_DEVICE.kind,
+            "metadata": {"name": npci.name, "uid": npci.uid, "finalizers": [FINALIZER] if want else []}}  # fmt: skip
+    return [ApplyNodeDeviceFinalizer(body)]
+
+
+def _node_status(npci: NodeDevice, world: World, verdict: Verdict, absence: Absence, holders: Holders) -> Plan:
+    """The NodePCIDevice's Assigned and Attached conditions and the operator's own records
+    (missingSince, nodeGoneSince, assignedNamespaceRef), written when one of them changes,
+    with an Event for each transition."""
+    target = verdict.target
+    assigned = _assigned_condition(npci, world, verdict, absence, holders)
+    waiting = world.referencing_vms.get(target, ()) if verdict.will_exist and holders.held_elsewhere else ()
+    claims = {ns: vms for ns, vms in _users(world, verdict, holders).items() if not (waiting and ns == target)}
     attached = _attached_condition(claims, (target, waiting) if waiting else None)
     # Recorded once handed out; kept while the namespace is away or was made anew; cleared with
     # the assignment (the admin assigning again is what gives the device to a new namespace).
-    wanted_ref = ("", "") if not target else ((target, target_uid) if will_exist and target_uid else npci.handed_to)
-    if (not assigned.same(npci.assigned) or not attached.same(npci.attached) or wanted_missing_since != npci.missing_since
-            or wanted_node_gone_since != npci.node_gone_since or wanted_ref != npci.handed_to):  # fmt: skip
-        status: dict[str, Any] = {
-            "conditions": [
-                condition("Assigned", assigned, npci.assigned, world.now),
-                condition("Attached", attached, npci.attached, world.now),
-            ]
-        }
-        if wanted_missing_since:  # left out, it is removed: the field is ours alone
-            status["missingSince"] = wanted_missing_since
-        if wanted_node_gone_since:
-            status["nodeGoneSince"] = wanted_node_gone_since
-        if wanted_ref[0]:
-            status["assignedNamespaceRef"] = {"name": wanted_ref[0], "uid": wanted_ref[1]}
-        plan.writes.append(
-            ApplyNodeDeviceStatus(
-                {"apiVersion": API_VERSION, "kind": NODE_PCI_DEVICE.kind, "metadata": {"name": npci.name}, "status": status}
-            )
-        )
-        # A new device starting out unassigned is not news; every later transition is.
-        if not assigned.same(npci.assigned) and (npci.assigned is not None or target):
-            warning = (assigned.reason == "Available" and bool(target)) or assigned.reason == "NodeGone"
-            plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning" if warning else "Normal", assigned.reason, assigned.message))
-        if not attached.same(npci.attached) and (npci.attached is not None or attached.status == "True"):
-            if waiting:  # two namespaces want it at once: never without a Warning
-                plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning", "WaitingForRelease", attached.message))
-            else:
-                reason = "Attached" if attached.status == "True" else "Detached"
-                plan.events.append(Event(NODE_PCI_DEVICE.kind, "", "Normal", reason, attached.message))
+    ref = ("", "") if not target else ((target, verdict.target_uid) if verdict.will_exist and verdict.target_uid else npci.handed_to)
+    missing_since = timestamp(absence.missing_since) if absence.missing_since else ""
+    node_gone_since = timestamp(absence.node_gone_since) if absence.node_gone_since else ""
+    if (assigned.same(npci.assigned) and attached.same(npci.attached) and missing_since == npci.missing_since
+            and node_gone_since == npci.node_gone_since and ref == npci.handed_to):  # fmt: skip
+        return Plan()
+    status: dict[str, Any] = {
+        "conditions": [
+            condition("Assigned", assigned, npci.assigned, world.now),
+            condition("Attached", attached, npci.attached, world.now),
+        ]
+    }
+    if missing_since:  # left out, it is removed: the field is ours alone
+        status["missingSince"] = missing_since
+    if node_gone_since:
+        status["nodeGoneSince"] = node_gone_since
+    if ref[0]:
+        status["assignedNamespaceRef"] = {"name": ref[0], "uid": ref[1]}
+    body = {"apiVersion": API_VERSION, "kind": NODE_PCI_DEVICE.kind, "metadata": {"name": npci.name}, "status": status}
+    return Plan(writes=[ApplyNodeDeviceStatus(body)], events=_node_events(npci, target, assigned, attached, waiting))
 
-    deadlines = [_later(since, world.grace) - world.now for since in (missing_since if usable else None, node_gone_since) if since]
-    if deadlines:
-        plan.requeue_after = max(1.0, min(deadlines).total_seconds())
-    return plan
+
+def _node_events(npci: NodeDevice, target: str, assigned: Cond, attached: Cond, waiting: tuple[str, ...]) -> list[Event]:
+    events = []
+    # A new device starting out unassigned is not news; every later transition is.
+    if not assigned.same(npci.assigned) and (npci.assigned is not None or target):
+        warning = (assigned.reason == "Available" and bool(target)) or assigned.reason == "NodeGone"
+        events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning" if warning else "Normal", assigned.reason, assigned.message))
+    if not attached.same(npci.attached) and (npci.attached is not None or attached.status == "True"):
+        if waiting:  # two namespaces want it at once: never without a Warning
+            events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning", "WaitingForRelease", attached.message))
+        else:
+            reason = "Attached" if attached.status == "True" else "Detached"
+            events.append(Event(NODE_PCI_DEVICE.kind, "", "Normal", reason, attached.message))
+    return events
+
+
+def _requeue_after(world: World, verdict: Verdict, absence: Absence) -> float | None:
+    """Seconds until a grace period runs out, when one runs: the device is decided again then."""
+    running = (absence.missing_since if verdict.usable else None, absence.node_gone_since)
+    deadlines = [_later(since, world.grace) - world.now for since in running if since]
+    return max(1.0, min(deadlines).total_seconds()) if deadlines else None
+
+
+# -- what the conditions and Events say ---------------------------------------------------
 
 
 def _node_gone_note(npci: NodeDevice, world: World, since: datetime.datetime | None) -> str:
@@ -527,11 +639,11 @@ def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, A
     return events
 
 
-def _assigned_condition(npci, world, target, phase, expired, missing_since, node_gone_since, will_exist, lingering, referenced,
-                        not_ready, conflict, recreated) -> Cond:  # fmt: skip
-    held = [(d.namespace, referenced[d.namespace]) for d in lingering if referenced[d.namespace]]
+def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absence: Absence, holders: Holders) -> Cond:
+    target, phase, referenced = verdict.target, verdict.phase, holders.referenced
+    held = [(d.namespace, referenced[d.namespace]) for d in holders.lingering if referenced[d.namespace]]
     holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
-    gone = _node_gone_note(npci, world, node_gone_since) if not world.node_present else ""
+    gone = _node_gone_note(npci, world, absence.node_gone_since) if not world.node_present else ""
     if not target:
         if held:
             return Cond("False", "InProgress", f"Unassigning: {holding}.")
@@ -545,33 +657,33 @@ def _assigned_condition(npci, world, target, phase, expired, missing_since, node
     if phase != "Active":
         return Cond("False", "Available",
                     f"Namespace {target} is being deleted and its PCIDevice goes with it; create the namespace again or change spec.assignedNamespace.")
-    if expired:
-        since = f" since {timestamp(missing_since)}" if missing_since else ""
+    if absence.expired:
+        since = f" since {timestamp(absence.missing_since)}" if absence.missing_since else ""
         return Cond("False", "Available",
                     f"The device has been missing from node {npci.node_name}{since}, longer than the {format_duration(world.grace)} grace period, "
                     f"so its PCIDevice in {target} was removed; it is assigned again when the device returns.")
-    if recreated:
+    if verdict.recreated:
         return Cond("False", "NamespaceRecreated",
                     f"Namespace {target} was deleted and created again since the device was assigned to it; the new one "
                     f"does not inherit it. To give it to the new {target}, clear spec.assignedNamespace and set it again.")
-    if conflict:
-        other, namespace = conflict
+    if verdict.conflict:
+        other, namespace = verdict.conflict
         group = npci.attributes.get("iommuGroup", "?")
         return Cond("False", "IOMMUGroupConflict",
                     f"IOMMU group {group} on node {npci.node_name} also holds {other}, assigned to {namespace}; VFIO gives a "
                     f"group to one VM, so all of its devices go to one namespace: assign {other} to {target} too, or this "
                     f"device to {namespace}.")
-    if gone and will_exist:
+    if gone and verdict.will_exist:
         return Cond("True", "NodeGone", f"Assigned to namespace {target} as PCIDevice {target}/{npci.name}, kept while its "
                                         f"node is away: {gone}.")
     if gone:
         return Cond("False", "NodeGone", f"{gone}; the device goes to {target} once the node is back.")
-    if not_ready:
+    if verdict.not_ready:
         why = (f"{npci.ready.reason}: {npci.ready.message}" if npci.ready
                else f"node {npci.node_name or '?'} has not reported it yet")  # fmt: skip
         return Cond("False", "DeviceNotReady",
                     f"Waiting for the device to be Ready before it goes to {target} ({why}); it is handed out by itself once it is.")
-    if not will_exist:
+    if not verdict.will_exist:
         old_vms = referenced.get(target) or ()
         waiting = f" ({_vm_list(target, old_vms)} still lists it)" if old_vms else ""
         return Cond("False", "InProgress", f"Waiting for the previous PCIDevice {target}/{npci.name} to finish terminating{waiting}.")
