@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ from e2e.fakesysfs import FakeHost, gpu_node, storage_node
 from passthrough.pci.discovery import Device, discover
 from passthrough.pci.pciids import PciIds
 
-DB = PciIds.load(Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11")
+DB_PATH = Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11"
+DB = PciIds.load(DB_PATH)
 GPU, AUDIO, NIC = ("10de", "2236", "030200"), ("10de", "1aef", "040300"), ("8086", "1593", "020000")
 
 
@@ -347,3 +349,104 @@ def test_with_a_zfs_pool_imported_a_partition_nothing_visibly_uses_is_not_offere
     )
     assert "zpool status -P" in devices["0000:3d:00.0"].reason
     assert devices["0000:5e:00.0"].eligible
+
+
+# -- SR-IOV and the boot display ---------------------------------------------------------------
+# The kernel's layout: a VF's directory sits beside its PF's, with a `physfn` link to the PF;
+# the PF has `sriov_numvfs`, `sriov_totalvfs` and a `virtfn<N>` link to each VF.
+
+E810_VF = ("8086", "1889", "020000")
+
+
+def with_vfs(tmp_path, count: int, *, driver: str | None = "iavf", netdevs: bool = True) -> FakeHost:
+    """An E810 PF at 3b:00.0 (its interface down) with `count` VFs at 3b:01.<n>, each in its own group."""
+    host = host_with(tmp_path)
+    host.add_device("0000:3b:00.0", *NIC, driver="ice", iommu_group=4)
+    host.add_netdev("0000:3b:00.0", "ens1f0", up=False)
+    pf = host.device_dir("0000:3b:00.0")
+    (pf / "sriov_totalvfs").write_text("64\n")
+    (pf / "sriov_numvfs").write_text(f"{count}\n")
+    for n in range(count):
+        address = f"0000:3b:01.{n}"
+        vf = host.add_device(address, *E810_VF, driver=driver, iommu_group=40 + n)
+        (vf / "physfn").symlink_to("../0000:3b:00.0")
+        (pf / f"virtfn{n}").symlink_to(f"../{address}")
+        if driver and netdevs:
+            host.add_netdev(address, f"ens1f0v{n}", up=False)
+    return host
+
+
+def test_a_physical_function_with_virtual_functions_enabled_stays_with_the_host(tmp_path):
+    pf = scan(with_vfs(tmp_path, 2))["0000:3b:00.0"]
+    assert not pf.eligible and pf.reported
+    assert pf.reason.startswith(
+        "SR-IOV is on: 2 virtual functions are enabled, and unbinding this physical function would destroy them"
+    )
+    assert "echo 0 > /sys/bus/pci/devices/0000:3b:00.0/sriov_numvfs" in pf.reason
+
+
+def test_a_physical_function_with_sriov_off_is_eligible(tmp_path):
+    host = with_vfs(tmp_path, 0)
+    assert scan(host)["0000:3b:00.0"].eligible
+
+
+def test_virtual_functions_are_left_out_unless_the_admin_opts_in(tmp_path):
+    host = with_vfs(tmp_path, 2)
+    vf = scan(host)["0000:3b:01.0"]
+    assert not vf.eligible and not vf.reported
+    assert vf.reason.startswith("it is an SR-IOV virtual function of 0000:3b:00.0")
+    assert "--sriov-virtual-functions" in vf.reason
+    opted_in = {d.address: d for d in discover(host.sysfs, host.proc, DB, virtual_functions=True).devices}
+    assert opted_in["0000:3b:01.0"].eligible and opted_in["0000:3b:01.0"].reported
+    assert opted_in["0000:3b:01.1"].eligible
+    assert not opted_in["0000:3b:00.0"].eligible  # the PF stays with the host either way
+
+
+def test_a_virtual_function_whose_interface_moved_into_a_pod_is_in_use(tmp_path):
+    # The SR-IOV CNI moved ens1f0v0 into a pod's network namespace: the host's sysfs no longer lists it.
+    host = with_vfs(tmp_path, 2)
+    moved = host.device_dir("0000:3b:01.0") / "net" / "ens1f0v0"
+    (host.sysfs / "class" / "net" / "ens1f0v0").unlink()
+    for f in moved.iterdir():
+        f.unlink()
+    moved.rmdir()
+    devices = {d.address: d for d in discover(host.sysfs, host.proc, DB, virtual_functions=True).devices}
+    assert not devices["0000:3b:01.0"].eligible
+    assert devices["0000:3b:01.0"].reason.startswith(
+        "its network interface (driver iavf) is not in the host's network namespace: it was moved into a pod or container"
+    )
+    assert devices["0000:3b:01.1"].eligible
+
+
+def test_a_virtual_function_on_vfio_pci_or_on_no_driver_has_no_interface_to_miss(tmp_path):
+    for driver, folder in (("vfio-pci", "vfio"), (None, "none")):
+        host = with_vfs(tmp_path / folder, 1, driver=driver, netdevs=False)
+        assert {d.address: d for d in discover(host.sysfs, host.proc, DB, virtual_functions=True).devices}["0000:3b:01.0"].eligible
+
+
+def test_the_boot_display_stays_with_the_host(tmp_path):
+    host = gpu_node(tmp_path)
+    host.write_attribute("0000:3b:00.0", "boot_vga", "1\n")
+    host.write_attribute("0000:af:00.0", "boot_vga", "0\n")
+    devices = scan(host)
+    gpu = devices["0000:3b:00.0"]
+    assert not gpu.eligible and gpu.reported
+    assert gpu.reason == (
+        "it is the boot display (boot_vga is 1): the host's console, which the firmware and kernel draw on; "
+        "it stays with the host; pass through another GPU"
+    )
+    assert devices["0000:af:00.0"].eligible
+    # Its group goes with it: the audio function is held back too.
+    assert devices["0000:3b:00.1"].reason.startswith("IOMMU group")
+
+
+def test_passthrough_discover_takes_the_opt_in_as_the_agent_does(tmp_path, capsys):
+    from passthrough import cli
+
+    host = with_vfs(tmp_path, 1)
+    args = ["discover", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}", f"--pci-ids={DB_PATH}", "-o", "json"]
+    for extra, listed in (([], False), (["--sriov-virtual-functions"], True)):
+        assert cli.main([*args, *extra]) == 0
+        devices = {d["pciAddress"]: d for d in json.loads(capsys.readouterr().out)["devices"]}
+        assert ("0000:3b:01.0" in devices) is listed
+    assert cli.build_parser().parse_args(["agent", "--sriov-virtual-functions"]).sriov_virtual_functions

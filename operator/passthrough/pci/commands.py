@@ -28,7 +28,7 @@ def discover(args: argparse.Namespace) -> int:
     pci_ids = _load_pci_ids("discover", args.pci_ids)
     if pci_ids is None:
         return EXIT_USAGE
-    found = discover_devices(Path(args.sysfs_root), Path(args.proc_root), pci_ids)
+    found = discover_devices(Path(args.sysfs_root), Path(args.proc_root), pci_ids, virtual_functions=args.sriov_virtual_functions)
     for problem in found.problems:
         print(f"warning: {problem}", file=sys.stderr)
     if args.output == "json":
