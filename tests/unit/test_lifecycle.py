@@ -329,6 +329,29 @@ def test_a_device_that_is_not_ready_is_not_handed_out_and_the_condition_says_why
     assert npci_conditions(lc.decide(world(node_device("team-a", ready=None))))["Assigned"]["reason"] == "DeviceNotReady"
 
 
+def test_an_assignment_held_back_is_a_warning_event_and_progress_is_normal():
+    def assigned_event(w: lc.World) -> tuple[str, str]:
+        [event] = [e for e in lc.decide(w).events if e.kind == "NodePCIDevice" and e.reason not in ("Attached", "Detached")]
+        return event.type, event.reason
+
+    busy = Cond("False", "NotReady", "in use", "2026-11-29T11:00:00Z")
+    assert assigned_event(world(node_device("team-a", ready=busy))) == ("Warning", "DeviceNotReady")
+    conflict = lc.World(NAME, node_device("team-b"), (), {"team-a": "Active", "team-b": "Active"}, {}, NOW, group={"pci-audio": "team-a"})
+    assert assigned_event(conflict) == ("Warning", "IOMMUGroupConflict")
+    recreated = lc.World(NAME, dataclasses.replace(node_device("team-a"), handed_to=("team-a", "uid-1")), (), {"team-a": "Active"},
+                         {}, NOW, namespace_uids={"team-a": "uid-2"})  # fmt: skip
+    assert assigned_event(recreated) == ("Warning", "NamespaceRecreated")
+    unlisted = lc.World(NAME, node_device("team-a"), (), {"team-a": "Active"}, {}, NOW, allow_list_problem="the config is invalid")
+    assert assigned_event(unlisted) == ("Warning", "AllowListNotApplied")
+    assert assigned_event(world(node_device("team-a"), namespaces={})) == ("Warning", "Available")  # no such namespace
+    # Handing out, unassigning and waiting for the previous PCIDevice to go are news, not trouble.
+    assert assigned_event(world(node_device("team-a"))) == ("Normal", "Assigned")
+    was = Cond("True", "Assigned", "Assigned to namespace team-a", "2026-11-29T11:00:00Z")
+    assert assigned_event(world(node_device("", assigned=was))) == ("Normal", "Available")
+    terminating = device("team-a", deleting=True, finalizers=[lc.FINALIZER])
+    assert assigned_event(world(node_device("team-a", assigned=was), [terminating], vms={"team-a": ("vm1",)})) == ("Normal", "InProgress")
+
+
 def test_a_waiting_assignment_completes_by_itself_once_the_device_is_ready():
     busy = Cond("False", "NotReady", "in use", "2026-11-29T11:00:00Z")
     waiting = converge(world(node_device("team-a", ready=busy)))

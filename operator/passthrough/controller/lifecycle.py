@@ -517,7 +517,10 @@ def _node_events(npci: NodeDevice, target: str, assigned: Cond, attached: Cond, 
     events = []
     # A new device starting out unassigned is not news; every later transition is.
     if not assigned.same(npci.assigned) and (npci.assigned is not None or target):
-        warning = (assigned.reason == "Available" and bool(target)) or assigned.reason == "NodeGone"
+        # The assignment held back (a namespace missing, a device not Ready, a group conflict, ...)
+        # or its node gone is a Warning; handing out, unassigning and waiting for the old
+        # PCIDevice to terminate are not.
+        warning = assigned.reason == "NodeGone" or (bool(target) and assigned.status != "True" and assigned.reason != "InProgress")
         events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning" if warning else "Normal", assigned.reason, assigned.message))
     if not attached.same(npci.attached) and (npci.attached is not None or attached.status == "True"):
         if waiting:  # two namespaces want it at once: never without a Warning
