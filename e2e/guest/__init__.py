@@ -1,0 +1,8 @@
+"""The real-kernel rig: stock Debian kernels under QEMU with an emulated IOMMU and PCIe devices.
+
+kernel.py fetches and unpacks the kernels, initramfs.py makes the guest's root (the host's /
+read-only under a tmpfs overlay), machine.py boots it and drives it through the command
+server (server.py, which runs in the guest) and QEMU's monitor (qmp.py), vmm.py runs a nested
+QEMU in the guest. Nothing is imported here: the command server's start in the guest (under
+TCG) pays for every import.
+"""
