@@ -20,8 +20,8 @@ def devices(*items: Device) -> dict[str, Device]:
     return {d.name: d for d in items}
 
 
-def judge(listed, before=None, known=(), users=None, kind="VirtualMachine", name="vm1", exempt=()):
-    return rules.judge_vm(kind, NS, name, listed, before, devices(*known), users or {}, exempt)
+def judge(listed, before=None, known=(), users=None, kind="VirtualMachine", name="vm1", exempt=(), forged=()):
+    return rules.judge_vm(kind, NS, name, listed, before, devices(*known), users or {}, exempt, forged)
 
 
 # -- what objects list ------------------------------------------------------------------------
@@ -34,6 +34,26 @@ def test_host_devices_and_gpus_of_a_vm_are_listed_in_order_with_repeats_and_othe
     }}}}}  # fmt: skip
     assert rules.vm_device_references(spec) == ["pci-a", "pci-b", "pci-a"]
     assert rules.referenced_device_names(spec) == {"pci-a", "pci-b"}
+
+
+def test_a_vm_also_lists_the_passthrough_resources_of_domain_resources_each_once():
+    # KubeVirt copies domain.resources into the launcher pod, which then asks for the device.
+    spec = {"template": {"spec": {"domain": {
+        "devices": {"hostDevices": [{"name": "a", "deviceName": "passthrough.io/pci-a"}]},
+        "resources": {"requests": {"memory": "1Gi", "passthrough.io/pci-b": "1"},
+                      "limits": {"passthrough.io/pci-b": "1", "passthrough.io/pci-c": "1", "nvidia.com/GA102GL_A10": "1"}},
+    }}}}  # fmt: skip
+    assert rules.vm_device_references(spec) == ["pci-a", "pci-b", "pci-c"]
+    assert rules.referenced_device_names(spec) == {"pci-a", "pci-b", "pci-c"}
+    assert rules.vmi_device_references({"domain": {"resources": {"limits": {"passthrough.io/pci-d": "1"}}}}) == ["pci-d"]
+
+
+def test_a_device_both_listed_and_in_domain_resources_is_listed_twice():
+    # KubeVirt adds one to the launcher's request per listing: two of a resource that has one.
+    spec = {"template": {"spec": {"domain": {"devices": {"gpus": [{"name": "a", "deviceName": "passthrough.io/pci-a"}]},
+                                             "resources": {"limits": {"passthrough.io/pci-a": "1"}}}}}}  # fmt: skip
+    verdict = judge(rules.vm_device_references(spec), known=[device("pci-a")])
+    assert "passthrough.io/pci-a is listed 2 times; list each device once" in verdict.refusal
 
 
 def test_a_vmi_lists_its_devices_under_spec_domain():
@@ -115,6 +135,26 @@ def test_a_device_another_vm_of_the_namespace_lists_is_refused_and_that_vm_is_na
 
 def test_the_vm_itself_listing_the_device_is_no_other_user():
     assert judge(["pci-a"], before=[], known=[device("pci-a")], users={"pci-a": ["vm1"]}).allowed
+
+
+def test_a_vmi_of_the_same_name_as_the_vm_listing_the_device_is_another_user_unless_exempted():
+    # Only the webhook's check of the owner reference (uid included) exempts that VM.
+    refused = judge(["pci-a"], known=[device("pci-a")], users={"pci-a": ["vm0"]}, kind="VirtualMachineInstance", name="vm0")
+    assert "PCIDevice pci-a is already used by VirtualMachine team-a/vm0" in refused.refusal
+
+
+def test_a_forged_pcidevice_is_refused_with_what_to_do_and_nothing_else_about_it():
+    verdict = judge(["pci-a"], known=[], forged={"pci-a"})
+    assert verdict.refusal == (
+        "VirtualMachine team-a/vm1: PCIDevice pci-a in namespace team-a is not one the passthrough operator handed to "
+        "team-a, so it gives the namespace no device; if an admin has just assigned it, retry in a moment, otherwise ask "
+        "one to assign the device to team-a."
+    )
+    assert "handed to team-a" in rules.judge_pod(NS, "launcher", ["pci-a"], {}, forged={"pci-a"}).refusal
+
+
+def test_a_vm_list_already_holding_a_forged_device_stays_editable():
+    assert judge(["pci-a"], before=["pci-a"], forged={"pci-a"}).allowed
 
 
 def test_a_vmi_made_from_the_vm_that_lists_the_device_is_admitted():

@@ -11,15 +11,30 @@ import pytest
 
 from passthrough.admission import webhook
 from passthrough.controller import reconciler as rec
-from passthrough.controller.lifecycle import Device
+from passthrough.controller.lifecycle import Device, NodeDevice
 
 NS = "team-a"
+NAMESPACE_UIDS = {"team-a": "uid-team-a", "team-b": "uid-team-b"}
 
 
-def device(name: str, namespace: str = NS, node: str = "gpu-1") -> Device:
+def owned_by(name: str, uid: str | None = None) -> dict:
+    """The metadata the operator gives a PCIDevice: its NodePCIDevice as controller owner."""
+    owner = {"apiVersion": "passthrough.io/v1alpha1", "kind": "NodePCIDevice", "name": name,
+             "uid": uid or f"npci-{name}", "controller": True}  # fmt: skip
+    return {"ownerReferences": [owner], "labels": {}, "finalizers": []}
+
+
+def device(name: str, namespace: str = NS, node: str = "gpu-1", metadata: dict | None = None, deleting: bool = False) -> Device:
     ready = {"type": "Ready", "status": "True", "reason": "Ready", "message": ""}
-    return Device(name=name, namespace=namespace, uid="u", resource_version="1", deleting=False, metadata={},
+    return Device(name=name, namespace=namespace, uid="u", resource_version="1", deleting=deleting,
+                  metadata=owned_by(name) if metadata is None else metadata,
                   status={"nodeName": node, "conditions": [ready]})  # fmt: skip
+
+
+def node_device(name: str, handed_to: str = NS, handed_uid: str | None = None) -> NodeDevice:
+    status = {"assignedNamespaceRef": {"name": handed_to, "uid": handed_uid or NAMESPACE_UIDS[handed_to]}} if handed_to else {}
+    return NodeDevice.of({"metadata": {"name": name, "uid": f"npci-{name}"}, "spec": {"assignedNamespace": handed_to},
+                          "status": status})  # fmt: skip
 
 
 def indexed_memo() -> kopf.Memo:
@@ -29,19 +44,26 @@ def indexed_memo() -> kopf.Memo:
     return memo
 
 
-def kwargs(devices=(), vms=None, memo=None, name="vm1", **extra):
-    # Indexes as Kopf and the informer hold them: key -> a store of values (several for a device
-    # being reassigned). The PCIDevices are the informer's, in memo; the VM references Kopf's.
+def kwargs(devices=(), vms=None, memo=None, name="vm1", node_devices=None, vm_uids=None, **extra):
+    # Indexes as Kopf and the informers hold them: key -> a store of values (several for a device
+    # being reassigned). The PCIDevices and NodePCIDevices are the informers', in memo; the VM
+    # references, VM uids and namespaces Kopf's. Unless given, each device's NodePCIDevice
+    # exists and was handed to team-a when team-a has the device, else to the device's namespace.
     index: dict[str, list[Device]] = {}
     for d in devices:
         index.setdefault(d.name, []).append(d)
+    if node_devices is None:
+        node_devices = [node_device(n, NS if any(d.namespace == NS for d in ds) else ds[0].namespace) for n, ds in index.items()]
     memo = memo or indexed_memo()
     listed = asyncio.Event()
     listed.set()
     memo.devices = types.SimpleNamespace(indexes={rec.DEVICES: index}, synced=listed)
+    memo.node_devices = types.SimpleNamespace(indexes={rec.NODE_DEVICES: {n.name: [n] for n in node_devices}}, synced=listed)
     return {
         "namespace": NS, "name": name, "memo": memo,
         "vm_references": {(NS, f"passthrough.io/{d}"): list(names) for d, names in (vms or {}).items()},
+        "namespaces": {ns: [("Active", uid)] for ns, uid in NAMESPACE_UIDS.items()},
+        "vm_uids": {(NS, vm): [uid] for vm, uid in (vm_uids or {}).items()},
         "warnings": [], "userinfo": {"username": "system:serviceaccount:team-a:tenant"}, **extra,
     }  # fmt: skip
 
@@ -77,16 +99,102 @@ async def test_an_update_passes_the_old_list_so_a_held_device_is_not_judged_agai
     await webhook.validate_vm(spec=vm_spec("pci-a"), old={"spec": vm_spec("pci-a")}, operation="UPDATE", **args)
 
 
-async def test_a_vmi_owned_by_the_vm_listing_the_device_is_admitted_a_stray_one_is_not():
-    owned = {"ownerReferences": [{"kind": "VirtualMachine", "name": "vm0", "controller": True}]}
-    args = kwargs([device("pci-a")], {"pci-a": ["vm0"]}, name="vm0-abcde")
-    await webhook.validate_vmi(spec=vmi_spec("pci-a"), meta=owned, old=None, operation="CREATE", **args)
+def owner_vm(name: str, uid: str) -> dict:
+    return {"ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "name": name, "uid": uid,
+                                 "controller": True, "blockOwnerDeletion": True}]}  # fmt: skip
+
+
+async def test_a_vmi_made_from_the_vm_listing_the_device_is_admitted_a_stray_one_is_not():
+    # KubeVirt names a VMI after its VM and makes the VM its controller owner, by uid.
+    args = kwargs([device("pci-a")], {"pci-a": ["vm0"]}, name="vm0", vm_uids={"vm0": "uid-vm0"})
+    await webhook.validate_vmi(spec=vmi_spec("pci-a"), meta=owner_vm("vm0", "uid-vm0"), old=None, operation="CREATE", **args)
     with pytest.raises(kopf.AdmissionError, match="already used by VirtualMachine team-a/vm0"):
         await webhook.validate_vmi(spec=vmi_spec("pci-a"), meta={}, old=None, operation="CREATE", **args)
 
 
+@pytest.mark.parametrize(
+    "vmi_name, owner, why",
+    [
+        ("vmi-x", owner_vm("vm0", "uid-vm0"), "another name than the VM's"),
+        ("vm0", owner_vm("vm0", "uid-of-an-earlier-vm0"), "a uid the VM does not have"),
+        ("vm0", owner_vm("vm0", ""), "no uid"),
+        ("vm0", {"ownerReferences": [{**owner_vm("vm0", "uid-vm0")["ownerReferences"][0], "controller": False}]}, "not its controller"),
+    ],
+)
+async def test_a_vmi_with_a_hand_written_owner_reference_is_another_user(vmi_name, owner, why):
+    args = kwargs([device("pci-a")], {"pci-a": ["vm0"]}, name=vmi_name, vm_uids={"vm0": "uid-vm0"})
+    with pytest.raises(kopf.AdmissionError, match="already used by VirtualMachine team-a/vm0"):
+        await webhook.validate_vmi(spec=vmi_spec("pci-a"), meta=owner, old=None, operation="CREATE", **args)
+
+
+async def test_a_vmi_owned_by_a_vm_that_does_not_list_the_device_is_not_exempted_for_it():
+    # vm0 lists pci-b only (so it is in the uid index); vm9 lists pci-a.
+    args = kwargs([device("pci-a")], {"pci-a": ["vm9"], "pci-b": ["vm0"]}, name="vm0", vm_uids={"vm0": "uid-vm0"})
+    with pytest.raises(kopf.AdmissionError, match="already used by VirtualMachine team-a/vm9"):
+        await webhook.validate_vmi(spec=vmi_spec("pci-a"), meta=owner_vm("vm0", "uid-vm0"), old=None, operation="CREATE", **args)
+
+
+async def test_the_vm_uid_index_holds_only_vms_that_list_a_device():
+    spec = vm_spec("pci-a")
+    assert await webhook.vm_uids_index(name="vm0", namespace=NS, uid="u0", spec=spec) == {(NS, "vm0"): "u0"}
+    limits = {"template": {"spec": {"domain": {"resources": {"limits": {"passthrough.io/pci-a": "1"}}}}}}
+    assert await webhook.vm_uids_index(name="vm0", namespace=NS, uid="u0", spec=limits) == {(NS, "vm0"): "u0"}
+    # Not None: Kopf keeps an object's old value when its indexer returns None.
+    assert await webhook.vm_uids_index(name="vm0", namespace=NS, uid="u0", spec=vm_spec()) == {}
+
+
+# -- only the operator's PCIDevices count ----------------------------------------------------------
+
+
+FORGED = "PCIDevice pci-a in namespace team-a is not one the passthrough operator handed to team-a"
+
+
+@pytest.mark.parametrize(
+    "pcidevice, node_devices",
+    [
+        (device("pci-a", metadata={}), None),  # no owner at all
+        (device("pci-a", metadata=owned_by("pci-a", uid="uid-of-a-deleted-npci")), None),  # an owner that is not the live one
+        (device("pci-a", metadata={**owned_by("pci-a"), "ownerReferences": [
+            {**owned_by("pci-a")["ownerReferences"][0], "controller": False}]}), None),  # owner, not controller
+        (device("pci-a"), []),  # no NodePCIDevice of that name
+        (device("pci-a"), [node_device("pci-a", handed_to="team-b")]),  # handed to another namespace
+        (device("pci-a"), [node_device("pci-a", handed_uid="uid-of-an-earlier-team-a")]),  # to an earlier team-a
+        (device("pci-a"), [node_device("pci-a", handed_to="")]),  # to no namespace
+    ],
+)
+async def test_a_pcidevice_the_operator_did_not_hand_to_the_namespace_gives_it_nothing(pcidevice, node_devices, caplog):
+    caplog.set_level(logging.INFO, logger=webhook.__name__)
+    args = kwargs([pcidevice], node_devices=node_devices)
+    with pytest.raises(kopf.AdmissionError, match=f"^VirtualMachine team-a/vm1: {FORGED}, so it gives the namespace no device"):
+        await webhook.validate_vm(spec=vm_spec("pci-a"), old=None, operation="CREATE", **args)
+    pod = {"containers": [{"name": "c", "resources": {"limits": {"passthrough.io/pci-a": "1"}}}]}
+    with pytest.raises(kopf.AdmissionError, match=f"^Pod team-a/launcher: {FORGED}"):
+        await webhook.validate_pod(spec=pod, meta={}, **{**args, "name": "launcher"})
+    # The admin's log says why; the tenant's message does not.
+    assert "PCIDevice team-a/pci-a does not count as a device of its namespace: " in caplog.text
+
+
+async def test_the_operators_pcidevice_being_removed_is_refused_as_being_removed():
+    # Reassigned to team-b: the record names team-b, team-a's PCIDevice lingers for its VM.
+    args = kwargs([device("pci-a", deleting=True)], node_devices=[node_device("pci-a", handed_to="team-b")])
+    with pytest.raises(kopf.AdmissionError, match="PCIDevice pci-a is being removed from namespace team-a"):
+        await webhook.validate_vm(spec=vm_spec("pci-a"), old=None, operation="CREATE", **args)
+
+
+async def test_a_vm_asking_for_a_device_in_domain_resources_is_judged_like_one_listing_it():
+    spec = {"template": {"spec": {"domain": {"resources": {"limits": {"passthrough.io/pci-a": "1"}}}}}}
+    with pytest.raises(kopf.AdmissionError, match="passthrough.io/pci-a is not a PCIDevice of namespace team-a"):
+        await webhook.validate_vm(spec=spec, old=None, operation="CREATE", **kwargs([device("pci-a", namespace="team-b")]))
+    with pytest.raises(kopf.AdmissionError, match="already used by VirtualMachine team-a/vm0"):
+        await webhook.validate_vm(spec=spec, old=None, operation="CREATE", **kwargs([device("pci-a")], {"pci-a": ["vm0"]}))
+    await webhook.validate_vm(spec=spec, old=None, operation="CREATE", **kwargs([device("pci-a")]))
+    vmi = {"domain": {"resources": {"requests": {"passthrough.io/pci-a": "1"}}}}
+    with pytest.raises(kopf.AdmissionError, match="passthrough.io/pci-a is not a PCIDevice of namespace team-a"):
+        await webhook.validate_vmi(spec=vmi, meta={}, old=None, operation="CREATE", **kwargs([device("pci-a", namespace="team-b")]))
+
+
 async def test_a_warning_goes_to_kopfs_warnings_list():
-    not_ready = Device(name="pci-a", namespace=NS, uid="u", resource_version="1", deleting=False, metadata={},
+    not_ready = Device(name="pci-a", namespace=NS, uid="u", resource_version="1", deleting=False, metadata=owned_by("pci-a"),
                        status={"conditions": [{"type": "Ready", "status": "False", "reason": "NotFound", "message": "gone"}]})  # fmt: skip
     args = kwargs([not_ready])
     await webhook.validate_vm(spec=vm_spec("pci-a"), old=None, operation="CREATE", **args)

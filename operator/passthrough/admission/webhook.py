@@ -4,7 +4,7 @@ Imported only when the operator runs with `--webhook-port` (Kopf refuses to star
 admission handlers and no server). The chart owns the ValidatingWebhookConfiguration, so
 `settings.admission.managed` stays None; its `matchConditions` send only objects that use a
 `passthrough.io/` device, and each webhook's path is the id of its handler here.
-Everything is read from the operator's indexes (Kopf's and its informer's): an admission costs no API call.
+Everything is read from the operator's indexes (Kopf's and its informers'): an admission costs no API call.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import kopf
 
 from passthrough.controller import metrics
 from passthrough.admission import rules
-from passthrough.controller.lifecycle import Device
-from passthrough.controller.reconciler import DEVICES
+from passthrough.controller.lifecycle import Device, NodeDevice
+from passthrough.controller.reconciler import DEVICES, NAMESPACES, NODE_DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 POD = "validate-pod"
 VM = "validate-vm"
 VMI = "validate-vmi"
+# The uid of each VM that lists a device: a VMI's owner reference is checked against it.
+VM_UIDS = "vm_uids"
 # Kopf fills its indexes before the first event handler runs, which sets `memo.indexed`; a
 # request that comes earlier waits for them a little (the webhook's timeout is 10 s), since
 # judging from half a listing would refuse devices that exist.
@@ -54,28 +56,49 @@ async def serve(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.admission.managed = None  # the chart's webhook configuration, not Kopf's
 
 
-async def _indexed(memo: kopf.Memo, kind: str) -> Mapping[str, tuple[Device, ...]]:
-    """The PCIDevices by name, once listed: the operator's own informer keeps them
-    (controller/informer.py), not Kopf, so Kopf cannot hand that index over."""
+async def _indexed(memo: kopf.Memo, kind: str) -> tuple[Mapping[str, tuple[Device, ...]], Mapping[str, tuple[NodeDevice, ...]]]:
+    """The PCIDevices and NodePCIDevices by name, once listed: the operator's own informers
+    keep them (controller/informer.py), not Kopf, so Kopf cannot hand those indexes over."""
     try:
         async with asyncio.timeout(INDEX_WAIT):
             await memo.indexed.wait()
             await memo.devices.synced.wait()
+            await memo.node_devices.synced.wait()
     except TimeoutError:
         metrics.ADMISSION_DECISIONS.labels(kind, "unavailable").inc()
         raise kopf.AdmissionError(
             "the passthrough operator is starting and cannot check devices yet; retry in a few seconds", code=503
         ) from None
-    return memo.devices.indexes[DEVICES]
+    return memo.devices.indexes[DEVICES], memo.node_devices.indexes[NODE_DEVICES]
 
 
-def _devices(index: Mapping[str, tuple[Device, ...]], namespace: str, names: Iterable[str]) -> dict[str, Device]:
-    found = {}
+def _first(index: Mapping[Any, Any] | None, key: Any) -> Any:
+    for value in (index or {}).get(key, ()):
+        return value
+    return None
+
+
+def _devices(
+    indexes: tuple[Mapping[str, tuple[Device, ...]], Mapping[str, tuple[NodeDevice, ...]]],
+    namespaces: Mapping[str, Any], namespace: str, names: Iterable[str],
+) -> tuple[dict[str, Device], set[str]]:  # fmt: skip
+    """The namespace's PCIDevices among `names` that the operator handed out, and the names of
+    those it did not make (each logged with why, for the admin: the tenant is told less)."""
+    devices, node_devices = indexes
+    seen = _first(namespaces, namespace)  # (phase, uid)
+    namespace_uid = seen[1] if seen else ""
+    found, forged = {}, set()
     for name in names:
-        for device in index.get(name, ()):
-            if device.namespace == namespace:
+        for device in devices.get(name, ()):
+            if device.namespace != namespace:
+                continue
+            why = rules.handed_out(device, _first(node_devices, name), namespace_uid)
+            if why:
+                log.info("PCIDevice %s/%s does not count as a device of its namespace: %s", namespace, name, why)
+                forged.add(name)
+            else:
                 found[name] = device
-    return found
+    return found, forged
 
 
 def _users(index: kopf.Index, namespace: str, names: Iterable[str]) -> dict[str, list[str]]:
@@ -92,21 +115,42 @@ def _answer(kind: str, verdict: rules.Verdict, warnings: list[str], userinfo: di
 
 async def _judge_vm(
     kind: str, listed: list[str], before: list[str] | None, exempt: list[str], *, namespace: str, name: str,
-    memo: kopf.Memo, vm_references: kopf.Index, warnings: list[str], userinfo: dict[str, Any], **_: Any,
+    memo: kopf.Memo, vm_references: kopf.Index, namespaces: kopf.Index, warnings: list[str], userinfo: dict[str, Any],
+    **_: Any,
 ) -> None:  # fmt: skip
     if not listed:
         return
-    devices = await _indexed(memo, kind)
+    found, forged = _devices(await _indexed(memo, kind), namespaces, namespace, listed)
     verdict = rules.judge_vm(
         kind, namespace, name, listed, before,
-        devices=_devices(devices, namespace, listed), users=_users(vm_references, namespace, listed), exempt=exempt,
+        devices=found, users=_users(vm_references, namespace, listed), exempt=exempt, forged=forged,
     )  # fmt: skip
     _answer(kind, verdict, warnings, userinfo)
 
 
 # Kopf passes every kwarg: namespace, name, memo, warnings, userinfo, and each of its indexes by
-# its id (controller/handlers.py: `vm_references` is rec.VM_REFERENCES); the PCIDevices come
-# from the informer in memo.
+# its id (controller/handlers.py: `vm_references` is rec.VM_REFERENCES, `namespaces`
+# rec.NAMESPACES; `vm_uids` is ours, below); the PCIDevices and NodePCIDevices come from the
+# informers in memo.
+
+
+@kopf.index("kubevirt.io", "v1", "virtualmachines", id=VM_UIDS)
+async def vm_uids_index(name: str, namespace: str, uid: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], str]:
+    # Only VMs that list a device: the others are never a VMI's exemption. An empty result
+    # (not None) drops a VM that stopped listing devices.
+    return {(namespace, name): uid} if rules.referenced_device_names(dict(spec)) else {}
+
+
+def made_by(meta: Mapping[str, Any], name: str, namespace: str, vm_uids: Mapping[Any, Any]) -> list[str]:
+    """The VM a VMI was made from, as KubeVirt makes it: the controller owner reference names a
+    VirtualMachine of the VMI's own name that exists with that uid (and lists a device). An
+    owner reference anyone can write names no VM that exists with its uid, or another name."""
+    for owner in meta.get("ownerReferences") or []:
+        if owner.get("kind") != "VirtualMachine" or not owner.get("controller") or owner.get("name") != name:
+            continue
+        if owner.get("uid") and _first(vm_uids, (namespace, name)) == owner.get("uid"):
+            return [name]
+    return []
 
 
 @kopf.on.validate("kubevirt.io", "v1", "virtualmachines", id=VM, operations=["CREATE", "UPDATE"])
@@ -116,21 +160,24 @@ async def validate_vm(spec: kopf.Spec, old: kopf.Body | None, operation: str, **
 
 
 @kopf.on.validate("kubevirt.io", "v1", "virtualmachineinstances", id=VMI, operations=["CREATE", "UPDATE"])
-async def validate_vmi(spec: kopf.Spec, meta: kopf.Meta, old: kopf.Body | None, operation: str, **kwargs: Any) -> None:
+async def validate_vmi(
+    spec: kopf.Spec, meta: kopf.Meta, old: kopf.Body | None, operation: str, vm_uids: kopf.Index, **kwargs: Any,
+) -> None:  # fmt: skip
     before = rules.vmi_device_references(old.get("spec")) if operation == "UPDATE" and old else None
-    # A VMI made from a VM lists that VM's devices: that VM is not "another" user.
-    owners = [o.get("name", "") for o in meta.get("ownerReferences") or [] if o.get("kind") == "VirtualMachine"]
-    await _judge_vm("VirtualMachineInstance", rules.vmi_device_references(dict(spec)), before, owners, **kwargs)
+    # A VMI made from a VM lists that VM's devices: that VM is not "another" user of them.
+    owner = made_by(meta, kwargs.get("name") or "", kwargs.get("namespace") or "", vm_uids)
+    await _judge_vm("VirtualMachineInstance", rules.vmi_device_references(dict(spec)), before, owner, **kwargs)
 
 
 @kopf.on.validate("", "v1", "pods", id=POD, operations=["CREATE"])
 async def validate_pod(
-    spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, memo: kopf.Memo, userinfo: dict[str, Any], **_: Any,
+    spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, memo: kopf.Memo, namespaces: kopf.Index,
+    userinfo: dict[str, Any], **_: Any,
 ) -> None:  # fmt: skip
     requested = rules.pod_device_requests(dict(spec))
     if not requested:
         return
-    devices = await _indexed(memo, "Pod")
+    found, forged = _devices(await _indexed(memo, "Pod"), namespaces, namespace, requested)
     # A pod made by a controller has no name yet, only generateName.
-    verdict = rules.judge_pod(namespace, name or meta.get("generateName", ""), requested, _devices(devices, namespace, requested))
+    verdict = rules.judge_pod(namespace, name or meta.get("generateName", ""), requested, found, forged)
     _answer("Pod", verdict, [], userinfo)
