@@ -391,6 +391,72 @@ async def test_an_update_is_judged_only_for_the_devices_it_adds(api, setup):
         cleanup(a, "vm/vm-grows")
 
 
+# -- only what the operator handed out, however it is asked for --------------------------------------
+
+
+def asking_in_limits(obj: dict, *devices: str) -> dict:
+    """`obj` (a VM or VMI) asking for `devices` in domain.resources.limits, as KubeVirt copies them into the launcher pod."""
+    spec = obj["spec"]["template"]["spec"] if obj["kind"] == "VirtualMachine" else obj["spec"]
+    spec["domain"]["resources"]["limits"] = {resource(d): "1" for d in devices}
+    return obj
+
+
+async def test_a_device_asked_for_in_domain_resources_is_judged_as_one_listed(api, setup):
+    a, b, device = setup.a, setup.b, setup.d[7]
+    wrong = f"passthrough.io/{device} is not a PCIDevice of namespace {b.namespace}"
+    message = b.refused(asking_in_limits(vm("vm-limits-steal"), device))
+    assert denied("virtualmachines", f"VirtualMachine {b.namespace}/vm-limits-steal: {wrong}") in message
+    message = b.refused(asking_in_limits(vmi("vmi-limits-steal"), device))
+    assert denied("virtualmachineinstances", f"VirtualMachineInstance {b.namespace}/vmi-limits-steal: {wrong}") in message
+    try:
+        # Its own namespace's device: admitted, and then that VM's, as if it listed it.
+        a.admitted(asking_in_limits(vm("vm-limits"), device))
+        await attached_to(api, device, a.namespace, "vm-limits")
+        message = a.refused(vm("vm-after-limits", device))
+        assert f"PCIDevice {device} is already used by VirtualMachine {a.namespace}/vm-limits" in message
+        # Listed and asked for: two of a resource that has one.
+        assert f"passthrough.io/{device} is listed 2 times" in a.refused(asking_in_limits(vm("vm-both", device), device))
+    finally:
+        cleanup(a, "vm/vm-limits")
+
+
+async def test_a_vmi_with_a_hand_written_owner_reference_is_another_user_of_the_vms_device(api, setup):
+    a, device = setup.a, setup.d[8]
+    try:
+        a.admitted(vm("vm-owner", device))
+        await attached_to(api, device, a.namespace, "vm-owner")
+        owner = get(a, "vm", "vm-owner")
+        used = f"PCIDevice {device} is already used by VirtualMachine {a.namespace}/vm-owner"
+        # Another name than its VM's: KubeVirt never makes such a VMI.
+        message = a.refused(vmi("vmi-borrower", device, owner=owner))
+        assert denied("virtualmachineinstances", f"VirtualMachineInstance {a.namespace}/vmi-borrower: {used}") in message
+        # The VM's name and a uid it does not have (an earlier VM of that name's).
+        earlier = {**owner, "metadata": {**owner["metadata"], "uid": "00000000-0000-4000-8000-000000000000"}}
+        assert used in a.refused(vmi("vm-owner", device, owner=earlier))
+        # The one KubeVirt makes: the VM's name, the VM's uid.
+        a.admitted(vmi("vm-owner", device, owner=owner))
+    finally:
+        cleanup(a, "vmi/vm-owner", "vm/vm-owner")
+
+
+async def test_a_pcidevice_the_operator_did_not_make_gives_a_namespace_nothing(api, cluster, setup):
+    # Written by someone the API lets write PCIDevices (here the cluster admin), under the name
+    # a node's device will get: no NodePCIDevice has it yet, so the operator leaves it alone.
+    b, name = setup.b, "pci-" + os.urandom(20).hex()
+    forged = {"apiVersion": "passthrough.io/v1alpha1", "kind": "PCIDevice", "metadata": {"name": name, "namespace": b.namespace}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(forged))
+    status = {**forged, "status": {"nodeName": setup.node2.name, "resourceName": f"passthrough.io/{name}", "conditions": [
+        {"type": "Ready", "status": "True", "reason": "Ready", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}
+    await Custom(api, "pcidevices", namespaced=True).apply(status, "forger", status=True)
+    try:
+        handed = (f"PCIDevice {name} in namespace {b.namespace} is not one the passthrough operator handed to "
+                  f"{b.namespace}, so it gives the namespace no device")  # fmt: skip
+        assert denied("virtualmachines", f"VirtualMachine {b.namespace}/vm-forged: {handed}") in b.refused(vm("vm-forged", name))
+        assert denied("pods", f"Pod {b.namespace}/pod-forged: {handed}") in b.refused(pod("pod-forged", name))
+    finally:
+        cluster.kubectl("delete", "pcidevice", name, "-n", b.namespace, "--ignore-not-found", check=False)
+
+
 # -- scope: nothing else depends on the operator ----------------------------------------------------
 
 
