@@ -302,3 +302,37 @@ async def test_a_grace_period_no_clock_can_count_is_refused_or_used_without_a_cr
     finally:
         await configs.apply(config_body({"kubevirt": {"name": "kubevirt", "namespace": scene.namespace}}), "admin")
         await npci.delete(missing)
+
+
+async def test_objects_of_any_size_are_refused_by_the_api_server(api, kinds, scene, operator):
+    """Every string and list of the CRDs is bounded: an agent (or anyone who may write one) cannot
+    store a name of 100,000 characters or a thousand conditions, and the good assignment stays."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    npci, pcidev = kinds[0], kinds[1]
+    node, name = scene.node.name, f"pci-huge-{scene.unique}"
+    cases = {
+        "status.attributes.name": {"attributes": attributes("0000:47:00.0", node, name="x" * 100_000), "conditions": [ready()]},
+        "status.conditions": {"attributes": attributes("0000:47:00.0", node),
+                              "conditions": [{**ready(), "type": f"T{i}"} for i in range(1000)]},
+        "status.conditions[0].message": {"attributes": attributes("0000:47:00.0", node), "conditions": [ready(message="m" * 100_000)]},
+    }  # fmt: skip
+    for field, status in cases.items():
+        with pytest.raises((ApiException, ApiError)) as caught:
+            await put(api, npci, name, node, status)
+        assert caught.value.status == 422, (field, caught.value.body)
+        assert field in caught.value.body and ("Too long" in caught.value.body or "Too many" in caught.value.body), caught.value.body
+    # A PCIDevice (written by someone allowed to write one) is bounded alike.
+    # (Named as no NodePCIDevice is, so the operator leaves it alone meanwhile.)
+    lone = f"pci-lone-{scene.unique}"
+    body = {"apiVersion": "passthrough.io/v1alpha1", "kind": "PCIDevice", "metadata": {"name": lone, "namespace": scene.namespace}}
+    await pcidev.apply(body, "someone")
+    try:
+        with pytest.raises(ApiError) as caught:
+            await pcidev.apply({**body, "status": {"attachedTo": "v" * 100_000}}, "someone", status=True)
+        assert caught.value.status == 422 and "status.attachedTo" in caught.value.body, caught.value.body
+    finally:
+        await pcidev.delete(lone, scene.namespace)
+        with contextlib.suppress(ApiException, ApiError):
+            await client.CustomObjectsApi(api).delete_cluster_custom_object("passthrough.io", "v1alpha1", "nodepcidevices", name)
+    await assert_nothing_torn_down(scene, kinds, operator)

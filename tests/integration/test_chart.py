@@ -55,6 +55,7 @@ PLATFORM = {
         },
     },
     "devices": {"notFoundGracePeriodSeconds": 120},
+    "discovery": {"sriovVirtualFunctions": True},
 }
 # What a denied request leaves in a log: the API's answer, or Kopf's warning about it. (A bare
 # "403" would also match the milliseconds of a timestamp, ",403".)
@@ -91,6 +92,8 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
          # Who may do what: the tenants' read (aggregated), the device admin, the agent's confinement.
          "ClusterRole", "ClusterRole", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
          "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding",
+         # PCIDevices: the operator's alone.
+         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
          # The admission webhook, served by the operator.
          "ValidatingWebhookConfiguration", "Service", "Secret",
          # Metrics: the operator's and the agents' Services, and the Grafana dashboard.
@@ -116,33 +119,81 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
     assert operator["image"] == f"passthrough-operator:{version}"
 
     daemonset = one(objects, "DaemonSet")["spec"]["template"]["spec"]
-    assert daemonset["hostNetwork"] is True and daemonset["serviceAccountName"] == "passthrough-agent"
+    assert daemonset["serviceAccountName"] == "passthrough-agent"
     assert daemonset["tolerations"] == [{"operator": "Exists"}]
     agent = container(objects, "DaemonSet")
     assert agent["command"][:3] == ["passthrough", "agent", "--proc-root=/host/proc"]
     assert agent["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    # The bind needs uid 0 and a writable host /sys, and no capability and no privileged mode.
+    assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev", "--state-dir=/run/passthrough"} <= set(agent["command"])
+    assert "--no-pool-resources" not in agent["command"] and "--sriov-virtual-functions" not in agent["command"]
+
+
+def agent_mounts(daemonset: dict, agent: dict) -> dict:
+    """Container path -> (host path, read-only: False, True, or "recursive")."""
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in daemonset["volumes"]}
+
+    def read_only(m: dict) -> bool | str:
+        return "recursive" if m.get("recursiveReadOnly") == "Enabled" and m.get("readOnly") else m.get("readOnly", False)
+
+    return {m["mountPath"]: (host_paths[m["name"]], read_only(m)) for m in agent["volumeMounts"]}
+
+
+def test_the_agent_pod_has_only_the_privilege_binding_needs(helm):
+    """uid 0, and writable only where the bind sequence writes; nothing of the host's network."""
+    objects = template(helm, "passthrough", "passthrough-system")
+    daemonset = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    agent = container(objects, "DaemonSet")
+    # The pod network: the kubelet's APIs are unix sockets, uevents reach a pod's namespace (Linux 4.18+).
+    assert "hostNetwork" not in daemonset and "dnsPolicy" not in daemonset
+    assert agent["ports"] == [{"name": "metrics", "containerPort": 9091, "protocol": "TCP"}]  # on the pod's address
+    # uid 0 for root's sysfs files and sockets; no capability, not privileged, the runtime's AppArmor profile.
+    assert daemonset["securityContext"] == {"runAsUser": 0}
     security = agent["securityContext"]
     assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"] == {"drop": ["ALL"]} and security["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert security["runAsUser"] == 0 and security["appArmorProfile"] == {"type": "Unconfined"}
+    assert "appArmorProfile" not in security and security["readOnlyRootFilesystem"] is True
+    # The host's /sys and /proc read-only down to every mount below them (cgroups, securityfs, ...);
+    # writable only /sys/bus/pci (unbind, drivers_probe) and /sys/devices (driver_override).
     assert agent_mounts(daemonset, agent) == {
-        "/host/sys": ("/sys", False),
-        "/host/proc": ("/proc", True),
+        "/host/sys": ("/sys", "recursive"),
+        "/host/sys/bus/pci": ("/sys/bus/pci", False),
+        "/host/sys/devices": ("/sys/devices", False),
+        "/host/proc": ("/proc", "recursive"),
         "/host/usr/share": ("/usr/share", True),
         "/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
         "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", False),
         "/host/dev/vfio": ("/dev/vfio", True),
         "/run/passthrough": ("/run/passthrough", False),
     }
-    assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev", "--state-dir=/run/passthrough"} <= set(agent["command"])
-    assert "--no-pool-resources" not in agent["command"]
 
 
-def agent_mounts(daemonset: dict, agent: dict) -> dict:
-    """Container path -> (host path, read-only)."""
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in daemonset["volumes"]}
-    return {m["mountPath"]: (host_paths[m["name"]], m.get("readOnly", False)) for m in agent["volumeMounts"]}
+def test_the_agents_network_apparmor_and_read_only_mounts_can_be_loosened_per_cluster(helm, tmp_path):
+    values = {"agent": {"hostNetwork": True, "appArmorProfile": {"type": "Unconfined"}, "recursiveReadOnly": "IfPossible"}}
+    objects = template(helm, "p", "ns", values_file(tmp_path / "v.yaml", values))
+    daemonset = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    agent = container(objects, "DaemonSet")
+    assert daemonset["hostNetwork"] is True and daemonset["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert agent["securityContext"]["appArmorProfile"] == {"type": "Unconfined"}
+    assert {m["mountPath"]: m.get("recursiveReadOnly") for m in agent["volumeMounts"] if m.get("recursiveReadOnly")} == {
+        "/host/sys": "IfPossible", "/host/proc": "IfPossible"}
+    out = helm("lint", "--strict", str(CHART), "--set=agent.recursiveReadOnly=Always", refused=True)
+    assert "at '/agent/recursiveReadOnly': value must be one of 'Enabled', 'IfPossible', 'Disabled'" in out, out
+
+
+def test_the_sriov_opt_in_reaches_the_agents_and_the_passthrough_config(helm):
+    objects = template(helm, "p", "ns", "--set=discovery.sriovVirtualFunctions=true")
+    assert "--sriov-virtual-functions" in container(objects, "DaemonSet")["command"]
+    assert one(objects, "PassthroughConfig")["spec"]["discovery"] == {"sriovVirtualFunctions": True}
+
+
+def test_the_chart_needs_the_kubernetes_that_has_its_admission_policies(helm):
+    chart_yaml = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart_yaml["kubeVersion"] == ">=1.30.0-0"  # ValidatingAdmissionPolicy is GA in 1.30
+    out = helm("template", "p", str(CHART), "--kube-version=1.29.9", refused=True)
+    assert "chart requires kubeVersion: >=1.30.0-0 which is incompatible with Kubernetes v1.29.9" in out, out
+    helm("template", "p", str(CHART), "--kube-version=1.30.0")
+    readme = (REPO / "README.md").read_text()
+    assert "Kubernetes 1.30 or later (the chart's ValidatingAdmissionPolicies, GA in 1.30" in readme
 
 
 def test_pools_left_to_nvidias_plugin_and_a_reporting_only_agent(helm, tmp_path):
@@ -151,12 +202,14 @@ def test_pools_left_to_nvidias_plugin_and_a_reporting_only_agent(helm, tmp_path)
     objects = template(helm, "p", "ns", values_file(tmp_path / "v.yaml", {"agent": {"devicePlugin": {"enabled": False}}}))
     agent = container(objects, "DaemonSet")
     assert "--no-device-plugin" in agent["command"] and "appArmorProfile" not in agent["securityContext"]
-    # Reporting only: nothing of the kubelet's, and the host's sysfs read-only.
-    assert agent_mounts(one(objects, "DaemonSet")["spec"]["template"]["spec"], agent) == {
-        "/host/sys": ("/sys", True),
-        "/host/proc": ("/proc", True),
+    # Reporting only: nothing of the kubelet's, the host's sysfs read-only throughout, and not root.
+    daemonset = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    assert agent_mounts(daemonset, agent) == {
+        "/host/sys": ("/sys", "recursive"),
+        "/host/proc": ("/proc", "recursive"),
         "/host/usr/share": ("/usr/share", True),
     }
+    assert daemonset["securityContext"] == {"runAsUser": 65534, "runAsGroup": 65534, "runAsNonRoot": True}
 
 
 def test_the_chart_ships_the_crds_the_models_generate(helm):
@@ -239,12 +292,20 @@ def test_namespace_roles_read_pcidevices_and_the_policies_confine_this_releases_
         {"apiGroups": ["passthrough.io"], "resources": ["pcidevices", "passthroughconfigs"], "verbs": ["get", "list", "watch"]},
     ]
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "ValidatingAdmissionPolicy"}
-    assert sorted(policies) == ["p-passthrough-agent-devices", "p-passthrough-agent-node"]
-    for spec in policies.values():
+    assert sorted(policies) == ["p-passthrough-agent-devices", "p-passthrough-agent-node", "p-passthrough-pcidevices"]
+    for name, spec in policies.items():
         assert spec["failurePolicy"] == "Fail"
-        assert spec["matchConditions"] == [
-            {"name": "the-agent", "expression": "request.userInfo.username == 'system:serviceaccount:infra:p-passthrough-agent'"}
-        ]
+        if name.startswith("p-passthrough-agent"):
+            assert spec["matchConditions"] == [
+                {"name": "the-agent", "expression": "request.userInfo.username == 'system:serviceaccount:infra:p-passthrough-agent'"}
+            ]
+    # PCIDevices: everyone but this release's operator (and the controller-manager, system:masters) is judged.
+    pcidevices = policies["p-passthrough-pcidevices"]
+    assert pcidevices["matchConditions"][0] == {
+        "name": "not-the-operator", "expression": "request.userInfo.username != 'system:serviceaccount:infra:p-passthrough-operator'"}
+    assert pcidevices["matchConstraints"]["resourceRules"] == [{
+        "apiGroups": ["passthrough.io"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE", "DELETE"],
+        "resources": ["pcidevices", "pcidevices/status"]}]  # fmt: skip
     bindings = {o["spec"]["policyName"]: o["spec"] for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"}
     assert bindings == {name: {"policyName": name, "validationActions": ["Deny"]} for name in policies}
 
@@ -304,6 +365,7 @@ def test_a_config_that_names_no_variant_gets_the_default_one_from_the_api_server
     assert json.loads(out)["spec"] == {
         "kubevirt": {"name": "kubevirt", "namespace": "kubevirt"},
         "gpu": {"variant": "default", "replaceDefaults": False, "permittedHostDevices": {}},
+        "discovery": {"sriovVirtualFunctions": False},
         # No `devices`: without one, the operator's --not-found-grace applies.
     }
 

@@ -430,3 +430,77 @@ async def test_an_agent_token_bound_to_no_node_is_refused(api, people, nodes, de
         assert message.endswith(policy_no(f"{release.name}-agent-devices", why))
     answer = who.kubectl("label", "node", node, f"{VFIO_LABEL}=false", "--overwrite")
     assert refused(answer).endswith(policy_no(f"{release.name}-agent-node", why))
+
+
+async def test_the_agent_cannot_write_what_the_operator_records(api, people, nodes, devices, release):
+    """The grace period's clocks, the hand-out record, the operator's conditions and finalizer."""
+    policy, node, name = f"{release.name}-agent-devices", nodes.one.name, devices.assigned
+    npci = Custom(api, "nodepcidevices")
+    before = await npci.get(name)
+    assert before["status"]["assignedNamespaceRef"]["name"] == people.team_a  # the operator's record of the hand-out
+
+    def says(fields: str) -> str:
+        them = "them" if ", " in fields else "it"
+        return policy_no(policy, f"the agent of node {node} may not change {fields} of NodePCIDevice {name}: "
+                                 f"the passthrough operator writes {them}")  # fmt: skip
+
+    conditions = before["status"]["conditions"]
+    flipped = [{**c, "status": "False", "reason": "Available"} if c["type"] == "Assigned" else c for c in conditions]
+    async with logged_in(people.agent) as agent_api:
+        for status, fields in (
+            ({"missingSince": "2000-01-01T00:00:00Z"}, "status.missingSince"),  # would expire the grace period at once
+            ({"nodeGoneSince": "2000-01-01T00:00:00Z"}, "status.nodeGoneSince"),
+            ({"assignedNamespaceRef": {"name": people.team_b, "uid": "4b6c9c4e-0000-4000-8000-000000000000"}},
+             "status.assignedNamespaceRef"),
+            ({"conditions": flipped}, "the Assigned condition"),
+            ({"missingSince": "2000-01-01T00:00:00Z", "assignedNamespaceRef": None}, "status.missingSince, status.assignedNamespaceRef"),
+        ):  # fmt: skip
+            message = await refusal(merge(agent_api, "nodepcidevices", name, {"status": status}, status=True))
+            assert message.endswith(says(fields)), message
+        # The in-use finalizer is the operator's too (added here; taking it off is refused alike).
+        message = await refusal(merge(agent_api, "nodepcidevices", name, {"metadata": {"finalizers": ["passthrough.io/in-use"]}}))
+        assert message.endswith(says("metadata.finalizers")), message
+    after = await npci.get(name)
+    assert {k: after["status"].get(k) for k in ("missingSince", "nodeGoneSince", "assignedNamespaceRef", "conditions")} == {
+        k: before["status"].get(k) for k in ("missingSince", "nodeGoneSince", "assignedNamespaceRef", "conditions")}
+    assert after["metadata"].get("finalizers") == before["metadata"].get("finalizers")
+
+
+async def test_only_the_operator_writes_pcidevices_even_where_rbac_lets_a_tenant(cluster, people, devices, release, tmp_path):
+    """A namespace owner as Capsule or Rancher make them (every verb on every resource of the
+    namespace) passes RBAC for PCIDevices; the chart's policy refuses every write but the operator's."""
+    team, name, policy = people.team_a, devices.assigned, f"{release.name}-pcidevices"
+    operator_user = f"system:serviceaccount:{release.namespace}:{release.name}-operator"
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "everything", "namespace": team},
+            "rules": [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]}  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(role))
+    owner = identities.identity(cluster, team, "namespace-owner", tmp_path)
+    cluster.kubectl("create", "rolebinding", "namespace-owner", "--role=everything", f"--serviceaccount={team}:namespace-owner",
+                    "-n", team)  # fmt: skip
+    _wait(lambda: owner.can_i("create", PCI, "-n", team), "RBAC to let the namespace owner create PCIDevices")
+    assert all(owner.can_i(verb, PCI, "-n", team) for verb in ("patch", "update", "delete"))
+    assert owner.can_i("patch", PCI, "-n", team, "--subresource=status")
+
+    says = policy_no(policy, f"PCIDevices are written by the passthrough operator ({operator_user}) only, not by {owner.user}: "
+                             f"a device reaches namespace {team} when a device admin sets spec.assignedNamespace of its NodePCIDevice")  # fmt: skip
+    forged = yaml.safe_dump({"apiVersion": f"{GROUP}/{VERSION}", "kind": "PCIDevice", "metadata": {"name": f"pci-{'0' * 40}"}})
+    _wait(lambda: policy in owner.kubectl("create", "-n", team, "--dry-run=server", "-f", "-", input=forged).stderr,
+          f"the API server to enforce {policy}")  # fmt: skip
+    assert refused(owner.kubectl("create", "-n", team, "-f", "-", input=forged)).endswith(says)
+    label = json.dumps({"metadata": {"labels": {"mine": "yes"}}})
+    assert refused(owner.kubectl("patch", "pci", name, "-n", team, "--type=merge", "-p", label)).endswith(says)
+    async with logged_in(owner) as owner_api:
+        message = await refusal(client.CustomObjectsApi(owner_api).patch_namespaced_custom_object_status(
+            GROUP, VERSION, team, "pcidevices", name, {"status": {"nodeName": "elsewhere"}},
+            _content_type="application/merge-patch+json"))  # fmt: skip
+    assert message.endswith(says)
+    assert refused(owner.kubectl("delete", "pci", name, "-n", team)).endswith(says)
+    assert owner.kubectl("get", "pci", name, "-n", team).returncode == 0  # still there, and still the operator's
+    assert owner.kubectl("get", "pci", f"pci-{'0' * 40}", "-n", team).returncode != 0
+
+    # The operator's own ServiceAccount passes (a server-side dry run: nothing is written).
+    operator = identities.identity(cluster, release.namespace, f"{release.name}-operator", tmp_path)
+    async with logged_in(operator) as operator_api:
+        await client.CustomObjectsApi(operator_api).patch_namespaced_custom_object(
+            GROUP, VERSION, team, "pcidevices", name, {"metadata": {"labels": {"probe": "yes"}}},
+            _content_type="application/merge-patch+json", dry_run="All")  # fmt: skip

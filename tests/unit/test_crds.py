@@ -138,3 +138,47 @@ def test_the_config_shows_valid_and_the_variant_even_when_nobody_wrote_it():
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert spec["default"] == {} and spec["properties"]["gpu"]["default"] == {}
     assert spec["properties"]["gpu"]["properties"]["variant"]["default"] == "default"
+
+
+def test_every_string_and_list_the_api_server_stores_is_bounded():
+    """No writer (an agent, a device admin) stores an object of any size: every string has a
+    maxLength (or is one of an enum), every list a maxItems, and no object keeps unknown fields."""
+    unbounded = []
+
+    def walk(node, path):
+        kind = node.get("type")
+        if kind == "string" and "maxLength" not in node and "enum" not in node:
+            unbounded.append(f"{path}: string without maxLength")
+        if kind == "array":
+            if "maxItems" not in node:
+                unbounded.append(f"{path}: list without maxItems")
+            walk(node["items"], f"{path}[]")
+        if node.get("x-kubernetes-preserve-unknown-fields") and path.split(".")[-1] != "metadata":
+            unbounded.append(f"{path}: keeps unknown fields")
+        for name, sub in (node.get("properties") or {}).items():
+            if path.count(".") == 0 and name in ("apiVersion", "kind", "metadata"):
+                continue  # the API server's own, bounded by it
+            walk(sub, f"{path}.{name}")
+
+    for crd in crds.all_crds():
+        walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], crd["spec"]["names"]["kind"])
+    assert unbounded == []
+
+
+def test_the_bounds_hold_real_data():
+    """Generous enough: the longest pci.ids name of both editions, a NodePCIDevice name,
+    the longest names Kubernetes allows."""
+    status = models.NodePCIDeviceStatus.model_json_schema(by_alias=True)
+    attributes = status["$defs"]["PCIAttributes"]["properties"]
+    longest = 0
+    for edition in ("pci.ids.2023-04-10", "pci.ids.2025-07-11"):
+        for line in (REPO / "e2e/data" / edition).read_text(encoding="utf-8", errors="replace").splitlines():
+            if line and line[0] != "#" and "  " in line:
+                longest = max(longest, len(line.split("  ", 1)[1]))
+    assert longest < attributes["name"]["maxLength"] // 4 and longest < attributes["vendorName"]["maxLength"] // 4
+    assert attributes["nodeName"]["maxLength"] == 253 and attributes["pciAddress"]["maxLength"] == len("0000:3b:00.0")
+    name = "pci-" + "0" * 40
+    left_out = models.LeftOutDevice.model_json_schema()["properties"]["name"]["maxLength"]
+    assert len(name) <= left_out
+    # passthrough.io/<NodePCIDevice name>, and the longest extended resource name Kubernetes takes.
+    assert status["properties"]["resourceName"]["maxLength"] == 253 + 1 + 63 >= len(f"passthrough.io/{name}")

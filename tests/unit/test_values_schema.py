@@ -21,7 +21,7 @@ from passthrough.api.chart_values import closed
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts/passthrough-operator"
-PLATFORM_KEYS = ("kubevirt", "gpu", "devices")
+PLATFORM_KEYS = ("kubevirt", "gpu", "devices", "discovery")
 
 
 def checked_in() -> dict[str, Any]:
@@ -43,7 +43,7 @@ _TYPES = {
     "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
 }
 VALIDATED = {"type", "properties", "additionalProperties", "required", "items", "enum", "pattern", "minimum",
-             "maximum", "exclusiveMinimum", "minLength", "maxLength", "anyOf", "dependencies"}  # fmt: skip
+             "maximum", "exclusiveMinimum", "minLength", "maxLength", "maxItems", "anyOf", "dependencies"}  # fmt: skip
 ANNOTATIONS = {"$schema", "description", "default"}
 
 
@@ -81,6 +81,8 @@ def violations(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
                 problems.append(f"{where}: additional property {key!r} not allowed")
             elif isinstance(extra, dict):
                 problems += violations(extra, sub, f"{path}/{key}")
+    if isinstance(value, list) and len(value) > schema.get("maxItems", len(value)):
+        problems.append(f"{where}: {len(value)} items, more than {schema['maxItems']}")
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             problems += violations(schema["items"], item, f"{path}/{i}")

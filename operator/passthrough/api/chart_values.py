@@ -136,6 +136,15 @@ class DevicePluginValues(Values):
     )
 
 
+class AppArmorProfile(Values):
+    """An AppArmor profile, as in a container's securityContext."""
+
+    type: Literal["RuntimeDefault", "Unconfined", "Localhost"] | None = Field(
+        default=None, description="RuntimeDefault, Unconfined, or Localhost (a profile loaded on the node)."
+    )
+    localhostProfile: str | None = Field(default=None, description="The loaded profile's name, with type Localhost.")
+
+
 class AgentValues(PodValues):
     """The node agents' DaemonSet."""
 
@@ -143,6 +152,17 @@ class AgentValues(PodValues):
         description="Periodic rescan besides hotplug events, SIGHUP and (re)assignments: 300, 90s, 5m, 1h30m."
     )
     hotplug: bool = Field(description="Listen for kernel hotplug uevents.")
+    hostNetwork: bool = Field(
+        description="Run in the host's network namespace: only for kernels before 4.18, whose hotplug uevents reach no other."
+    )
+    appArmorProfile: AppArmorProfile = Field(
+        description="The agent container's AppArmor profile; empty: the runtime's default (a node without AppArmor "
+        "refuses pods that name one)."
+    )
+    recursiveReadOnly: Literal["Enabled", "IfPossible", "Disabled"] = Field(
+        description="The host's /sys and /proc read-only with every mount below them (Enabled: the kubelet refuses the "
+        "pod where the runtime cannot), where possible (IfPossible), or only the top mount (Disabled)."
+    )
     devicePlugin: DevicePluginValues = Field(description="What the agent does besides reporting devices.")
 
 
@@ -162,7 +182,7 @@ class MetricsValues(Values):
 
     enabled: bool = Field(description="Serve metrics and make a Service for them.")
     operatorPort: Port = Field(description="The operator's metrics port.")
-    agentPort: Port = Field(description="The agents' metrics port (on the host network).")
+    agentPort: Port = Field(description="The agents' metrics port (on each agent pod's address).")
     serviceMonitor: ServiceMonitorValues = Field(description="A ServiceMonitor for the Prometheus Operator.")
     dashboard: DashboardValues = Field(description="A Grafana dashboard of these metrics.")
 
@@ -204,7 +224,7 @@ def values_schema() -> dict[str, Any]:
     return {
         "$schema": SCHEMA_DRAFT,
         "type": "object",
-        "description": "Values of the passthrough-operator chart: the platform values (kubevirt, gpu, devices; "
+        "description": "Values of the passthrough-operator chart: the platform values (kubevirt, gpu, devices, discovery; "
         "the PassthroughConfig's spec) and how the operator and the node agents run.",
         "properties": properties,
         "required": runtime["required"],

@@ -8,7 +8,7 @@ Field names are the API's own (camelCase) so that code and manifests read alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +26,26 @@ CAMEL_CASE_REASON = r"^[A-Z][A-Za-z0-9]*$"
 
 CONFIG_NAME = "cluster"
 
+# Bounds of every string and list the API server stores (a writer may not store objects of
+# any size), generous for real data. Names as Kubernetes bounds them:
+DNS1123_LABEL_MAX = 63  # a namespace
+DNS1123_SUBDOMAIN_MAX = 253  # a node, a VM, a KubeVirt CR
+QUALIFIED_NAME_MAX = 317  # an extended resource name: a DNS-1123 subdomain, "/", a 63-character name
+UID_MAX = 128  # a uid (36 characters today)
+TIMESTAMP_MAX = 64  # RFC 3339
+# pci.ids names are at most 119 characters (the 2025 edition); a kernel driver's is a file name.
+PCI_IDS_NAME_MAX = 1024
+DRIVER_MAX = 255
+# metav1.Condition's own bounds.
+CONDITION_TYPE_MAX, CONDITION_REASON_MAX, MESSAGE_MAX = 316, 1024, 32768
+MAX_CONDITIONS = 16
+# The operator's lists of mismatches hold their first 50 (controller/kubevirt_sync.py MAX_LISTED).
+MAX_LISTED_ITEMS = 100
+# An allow-list of thousands of entries renders in milliseconds; 5,000 of them fit an object.
+MAX_ALLOW_LIST = 5000
+MAX_FEATURE_GATES = 64
+FEATURE_GATE_MAX = 128
+
 
 class APIModel(BaseModel):
     """Base of every API model: unknown fields are kept (a newer writer may add some)."""
@@ -36,14 +56,16 @@ class APIModel(BaseModel):
 class Condition(APIModel):
     """A standard Kubernetes condition (metav1.Condition)."""
 
-    type: str = Field(description="Type of the condition.")
+    type: str = Field(max_length=CONDITION_TYPE_MAX, description="Type of the condition.")
     status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds: True, False or Unknown.")
     reason: str = Field(
         pattern=CAMEL_CASE_REASON,
+        max_length=CONDITION_REASON_MAX,
         description="Why the condition is in this state, in CamelCase.",
     )
-    message: str = Field(default="", description="What happened and what to do next.")
+    message: str = Field(default="", max_length=MESSAGE_MAX, description="What happened and what to do next.")
     lastTransitionTime: str = Field(
+        max_length=TIMESTAMP_MAX,
         json_schema_extra={"format": "date-time"},
         description="When the status last changed.",
     )
@@ -57,6 +79,7 @@ class NodePCIDeviceCondition(Condition):
     """A condition of a NodePCIDevice (metav1.Condition)."""
 
     type: str = Field(
+        max_length=CONDITION_TYPE_MAX,
         description=(
             "Ready (the agent's word: the device is present and can be passed through; NotReady and "
             "NotFound say why not), Assigned (the operator's: its PCIDevice exists in spec.assignedNamespace) "
@@ -69,6 +92,7 @@ class PCIDeviceCondition(Condition):
     """A condition of a PCIDevice (metav1.Condition)."""
 
     type: str = Field(
+        max_length=CONDITION_TYPE_MAX,
         description=(
             "Ready (the device's NodePCIDevice is Ready on its node) or Attached (a VirtualMachine of "
             "this namespace lists it, or one of another namespace still holds it)."
@@ -80,6 +104,7 @@ class PassthroughConfigCondition(Condition):
     """A condition of the PassthroughConfig (metav1.Condition)."""
 
     type: str = Field(
+        max_length=CONDITION_TYPE_MAX,
         description=(
             "Valid (the values pass every check), Applied (the KubeVirt CR has the rendered "
             "permittedHostDevices and feature gates), AssignedDevicesPermitted (every assigned device "
@@ -92,6 +117,7 @@ class PassthroughConfigCondition(Condition):
 def _conditions(description: str) -> Any:
     return Field(
         default_factory=list,
+        max_length=MAX_CONDITIONS,
         description=description,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
@@ -109,18 +135,18 @@ def _defaulted(model: type[BaseModel], description: str) -> Any:
 class PCIAttributes(APIModel):
     """What the node agent read from sysfs and pci.ids for one PCI function."""
 
-    name: str = Field(default="", description="Device name from the node's pci.ids (hex ID when unknown).")
-    vendorName: str = Field(default="", description="Vendor name from the node's pci.ids.")
-    pciAddress: str = Field(pattern=PCI_ADDRESS, description="PCI address, e.g. 0000:3b:00.0.")
-    vendorID: str = Field(pattern=HEX4, description="PCI vendor ID, 4 lowercase hex digits.")
-    deviceID: str = Field(pattern=HEX4, description="PCI device ID, 4 lowercase hex digits.")
-    subsystemVendorID: str = Field(default="", description="PCI subsystem vendor ID.")
-    subsystemDeviceID: str = Field(default="", description="PCI subsystem device ID.")
-    class_: str = Field(alias="class", pattern=HEX6, description="PCI class code, 6 hex digits.")
-    driver: str = Field(default="", description="Kernel driver bound now; empty when none.")
+    name: str = Field(default="", max_length=PCI_IDS_NAME_MAX, description="Device name from the node's pci.ids (hex ID when unknown).")
+    vendorName: str = Field(default="", max_length=PCI_IDS_NAME_MAX, description="Vendor name from the node's pci.ids.")
+    pciAddress: str = Field(pattern=PCI_ADDRESS, max_length=12, description="PCI address, e.g. 0000:3b:00.0.")
+    vendorID: str = Field(pattern=HEX4, max_length=4, description="PCI vendor ID, 4 lowercase hex digits.")
+    deviceID: str = Field(pattern=HEX4, max_length=4, description="PCI device ID, 4 lowercase hex digits.")
+    subsystemVendorID: str = Field(default="", max_length=4, description="PCI subsystem vendor ID.")
+    subsystemDeviceID: str = Field(default="", max_length=4, description="PCI subsystem device ID.")
+    class_: str = Field(alias="class", pattern=HEX6, max_length=6, description="PCI class code, 6 hex digits.")
+    driver: str = Field(default="", max_length=DRIVER_MAX, description="Kernel driver bound now; empty when none.")
     iommuGroup: int = Field(default=-1, ge=-1, description="IOMMU group; -1 when none.")
     numaNode: int = Field(default=-1, ge=-1, description="NUMA node; -1 when none.")
-    nodeName: str = Field(description="Node the device is installed in.")
+    nodeName: str = Field(max_length=DNS1123_SUBDOMAIN_MAX, description="Node the device is installed in.")
 
 
 class NodePCIDeviceSpec(APIModel):
@@ -128,7 +154,7 @@ class NodePCIDeviceSpec(APIModel):
 
     assignedNamespace: str = Field(
         default="",
-        max_length=63,
+        max_length=DNS1123_LABEL_MAX,
         description=(
             "Namespace whose VMs may use this device. Empty: not assigned. "
             "Setting it creates a PCIDevice of the same name there."
@@ -154,8 +180,8 @@ class NodePCIDeviceSpec(APIModel):
 class NamespaceRef(APIModel):
     """A namespace as it was when a device was handed to it."""
 
-    name: str = Field(description="Namespace name.")
-    uid: str = Field(description="The namespace's uid when the device was handed to it.")
+    name: str = Field(max_length=DNS1123_LABEL_MAX, description="Namespace name.")
+    uid: str = Field(max_length=UID_MAX, description="The namespace's uid when the device was handed to it.")
 
 
 class NodePCIDeviceStatus(APIModel):
@@ -164,6 +190,7 @@ class NodePCIDeviceStatus(APIModel):
     attributes: PCIAttributes | None = None
     resourceName: str = Field(
         default="",
+        max_length=QUALIFIED_NAME_MAX,
         description=(
             "Extended resource the node's device plugin advertises for this device: the GPU "
             "pool name, or passthrough.io/<name> once assigned; empty when it has none."
@@ -175,6 +202,7 @@ class NodePCIDeviceStatus(APIModel):
     eligible: bool = Field(default=False, description="Whether the device can be passed through now.")
     missingSince: str | None = Field(
         default=None,
+        max_length=TIMESTAMP_MAX,
         description=(
             "When the operator first saw the device NotFound on its node, by the operator's clock; "
             "an assigned device's grace period counts from here. Unset while the device is present."
@@ -182,6 +210,7 @@ class NodePCIDeviceStatus(APIModel):
     )
     nodeGoneSince: str | None = Field(
         default=None,
+        max_length=TIMESTAMP_MAX,
         description=(
             "When the operator first saw the device's Node deleted, by the operator's clock; the "
             "NodePCIDevice is removed once the Node has stayed gone for the grace period. Unset while the Node exists."
@@ -203,9 +232,11 @@ class PCIDeviceStatus(APIModel):
     """The assigned device as this namespace sees it, copied from its NodePCIDevice by the operator."""
 
     attributes: PCIAttributes | None = None
-    nodeName: str = Field(default="", description="Node the device is installed in.")
-    resourceName: str = Field(default="", description="Resource name a VM uses as deviceName.")
-    attachedTo: str = Field(default="", description="VirtualMachine whose spec lists this device.")
+    nodeName: str = Field(default="", max_length=DNS1123_SUBDOMAIN_MAX, description="Node the device is installed in.")
+    resourceName: str = Field(default="", max_length=QUALIFIED_NAME_MAX, description="Resource name a VM uses as deviceName.")
+    attachedTo: str = Field(
+        default="", max_length=MESSAGE_MAX, description="VirtualMachine whose spec lists this device (several: comma-separated)."
+    )
     conditions: list[PCIDeviceCondition] = _conditions(
         "Ready and Attached: whether a VM here can use the device now, and which VM does."
     )
@@ -215,9 +246,11 @@ class PciHostDevice(APIModel):
     """One pciHostDevices entry of KubeVirt's permittedHostDevices."""
 
     pciVendorSelector: str = Field(
-        pattern=PCI_VENDOR_SELECTOR, description="vendor:device in hex, e.g. 10DE:2236."
+        pattern=PCI_VENDOR_SELECTOR, max_length=9, description="vendor:device in hex, e.g. 10DE:2236."
     )
-    resourceName: str = Field(min_length=1, description="Extended resource name, e.g. nvidia.com/GA102GL_A10.")
+    resourceName: str = Field(
+        min_length=1, max_length=QUALIFIED_NAME_MAX, description="Extended resource name, e.g. nvidia.com/GA102GL_A10."
+    )
     externalResourceProvider: bool = Field(
         default=True, description="Leave allocation to an external device plugin (ours)."
     )
@@ -226,8 +259,8 @@ class PciHostDevice(APIModel):
 class MediatedHostDevice(APIModel):
     """One mediatedDevices entry of KubeVirt's permittedHostDevices."""
 
-    mdevNameSelector: str = Field(min_length=1, description="mdev type name, e.g. 'GRID T4-1Q'.")
-    resourceName: str = Field(min_length=1, description="Extended resource name.")
+    mdevNameSelector: str = Field(min_length=1, max_length=PCI_IDS_NAME_MAX, description="mdev type name, e.g. 'GRID T4-1Q'.")
+    resourceName: str = Field(min_length=1, max_length=QUALIFIED_NAME_MAX, description="Extended resource name.")
     externalResourceProvider: bool = Field(
         default=True,
         description="Leave allocation to an external device plugin (such as NVIDIA's vGPU plugin), not KubeVirt's own.",
@@ -239,21 +272,22 @@ class PermittedHostDevices(APIModel):
 
     pciHostDevices: list[PciHostDevice] = Field(
         default_factory=list,
+        max_length=MAX_ALLOW_LIST,
         description="Whole PCI devices (variant default): after the default NVIDIA table, or instead of it "
         "with replaceDefaults.",
     )
     mediatedDevices: list[MediatedHostDevice] = Field(
-        default_factory=list, description="Mediated devices (variant vgpu), such as NVIDIA vGPU types."
+        default_factory=list, max_length=MAX_ALLOW_LIST, description="Mediated devices (variant vgpu), such as NVIDIA vGPU types."
     )
 
 
 class KubeVirtTarget(APIModel):
     """The KubeVirt CR whose permittedHostDevices and feature gates the operator writes."""
 
-    name: str = Field(default="kubevirt", description="Name of the KubeVirt CR to manage.")
-    namespace: str = Field(default="kubevirt", description="Namespace of the KubeVirt CR.")
-    extraFeatureGates: list[str] = Field(
-        default_factory=list, description="Feature gates to enable besides HostDevices."
+    name: str = Field(default="kubevirt", max_length=DNS1123_SUBDOMAIN_MAX, description="Name of the KubeVirt CR to manage.")
+    namespace: str = Field(default="kubevirt", max_length=DNS1123_LABEL_MAX, description="Namespace of the KubeVirt CR.")
+    extraFeatureGates: list[Annotated[str, Field(max_length=FEATURE_GATE_MAX)]] = Field(
+        default_factory=list, max_length=MAX_FEATURE_GATES, description="Feature gates to enable besides HostDevices."
     )
 
 
@@ -290,6 +324,23 @@ class DeviceSettings(APIModel):
     )
 
 
+class DiscoverySettings(APIModel):
+    """Which devices the node agents offer for passthrough, beyond DESIGN.md's rules.
+
+    The chart gives every agent the same setting as a flag (--sriov-virtual-functions): an agent
+    reads its flags, not this object, so a change here takes effect with the chart's next upgrade.
+    """
+
+    sriovVirtualFunctions: bool = Field(
+        default=False,
+        description=(
+            "Report SR-IOV virtual functions and let them be assigned (a VF whose network interface was moved "
+            "into a pod stays in use). Off: VFs are left out, as bridges are; a physical function with VFs "
+            "enabled is never eligible either way, since unbinding it destroys its VFs."
+        ),
+    )
+
+
 class PassthroughConfigSpec(APIModel):
     """The platform values."""
 
@@ -298,6 +349,7 @@ class PassthroughConfigSpec(APIModel):
     # Not defaulted in the CRD: without a `devices` section, the operator's --not-found-grace
     # applies (600 s unless set); one the API server filled in would always override it.
     devices: DeviceSettings = Field(default_factory=DeviceSettings, description="How assigned devices that go missing are treated.")
+    discovery: DiscoverySettings = _defaulted(DiscoverySettings, "Which devices the node agents offer, beyond the eligibility rules.")
 
 
 class AllowListMismatch(APIModel):
@@ -305,18 +357,20 @@ class AllowListMismatch(APIModel):
 
     # No defaults: the API server would fill every absent key with "" and the list would
     # read as noise. Absent means "not known for this kind of mismatch".
-    resourceName: str = Field(description="The extended resource name in question.")
-    pciVendorSelector: str | None = Field(default=None, description="vendor:device in hex, when known.")
-    nodeName: str | None = Field(default=None, description="Node that advertises it, when one does.")
-    pciAddress: str | None = Field(default=None, description="PCI address of the GPU on that node.")
-    expected: str | None = Field(default=None, description="The allow-list's name for this card, when a node calls it otherwise.")
+    resourceName: str = Field(max_length=QUALIFIED_NAME_MAX, description="The extended resource name in question.")
+    pciVendorSelector: str | None = Field(default=None, max_length=9, description="vendor:device in hex, when known.")
+    nodeName: str | None = Field(default=None, max_length=DNS1123_SUBDOMAIN_MAX, description="Node that advertises it, when one does.")
+    pciAddress: str | None = Field(default=None, max_length=16, description="PCI address of the GPU on that node.")
+    expected: str | None = Field(
+        default=None, max_length=QUALIFIED_NAME_MAX, description="The allow-list's name for this card, when a node calls it otherwise."
+    )
 
 
 class LeftOutDevice(APIModel):
     """An assigned device KubeVirt's allow-list leaves out, and why."""
 
-    name: str = Field(description="The NodePCIDevice (and PCIDevice) name.")
-    reason: str = Field(description="Why its passthrough.io/ entry cannot be written, and what to do.")
+    name: str = Field(max_length=DNS1123_SUBDOMAIN_MAX, description="The NodePCIDevice (and PCIDevice) name.")
+    reason: str = Field(max_length=MESSAGE_MAX, description="Why its passthrough.io/ entry cannot be written, and what to do.")
 
 
 class PassthroughConfigStatus(APIModel):
@@ -326,14 +380,19 @@ class PassthroughConfigStatus(APIModel):
     conditions: list[PassthroughConfigCondition] = _conditions(
         "Valid, Applied, AssignedDevicesPermitted and NodesMatchAllowList; a False one says what to fix."
     )
-    featureGates: list[str] = Field(default_factory=list, description="Feature gates applied.")
+    featureGates: list[Annotated[str, Field(max_length=FEATURE_GATE_MAX)]] = Field(
+        default_factory=list, max_length=2 * MAX_FEATURE_GATES, description="Feature gates applied."
+    )
     pciHostDevices: int = Field(default=0, description="pciHostDevices entries applied.")
     mediatedDevices: int = Field(default=0, description="mediatedDevices entries applied.")
-    warnings: list[str] = Field(
-        default_factory=list, description="Values that are valid but probably not meant (an empty allow-list, ...)."
+    warnings: list[Annotated[str, Field(max_length=MESSAGE_MAX)]] = Field(
+        default_factory=list,
+        max_length=MAX_LISTED_ITEMS,
+        description="Values that are valid but probably not meant (an empty allow-list, ...).",
     )
     notAdvertised: list[AllowListMismatch] = Field(
         default_factory=list,
+        max_length=MAX_LISTED_ITEMS,
         description="Resource names the values allow-list that no node advertises (the first 50): a misspelt "
         "name, or a card no node has. The default table's models are counted in unusedDefaultModels instead.",
     )
@@ -344,11 +403,12 @@ class PassthroughConfigStatus(APIModel):
         "few models, and listed nowhere so that they do not bury notAdvertised.",
     )
     notPermitted: list[AllowListMismatch] = Field(
-        default_factory=list, description="GPUs nodes advertise that the allow-list lacks (the first 50)."
+        default_factory=list, max_length=MAX_LISTED_ITEMS, description="GPUs nodes advertise that the allow-list lacks (the first 50)."
     )
     notPermittedCount: int = Field(default=0, description="How many advertised GPUs the allow-list lacks.")
     leftOut: list[LeftOutDevice] = Field(
         default_factory=list,
+        max_length=MAX_LISTED_ITEMS,
         description="Assigned devices whose exclusive entry is left out of the allow-list (the first 50); "
         "the rest of the allow-list is applied.",
     )
