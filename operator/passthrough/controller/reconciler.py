@@ -251,46 +251,40 @@ class Reconciler:
     async def _execute(self, name: str, write: Any, made: dict[str, str] | None = None):
         """One write; returns what the indexes must show before the name is decided again.
         `made` gets the uid of each PCIDevice written, by namespace."""
-        if isinstance(write, lifecycle.ApplyDevice | lifecycle.ApplyDeviceStatus):
-            status = isinstance(write, lifecycle.ApplyDeviceStatus)
+        # A write with a namespace is to a PCIDevice; one without, to the NodePCIDevice.
+        namespace = getattr(write, "namespace", None)
+        kind, what = (self.devices, "device") if namespace is not None else (self.node_devices, "node-device")
+        if isinstance(write, lifecycle.DeleteDevice | lifecycle.DeleteNodeDevice):
+            return await self._delete(kind, what, name, namespace, write)
+        if isinstance(write, lifecycle.ApplyDevice | lifecycle.ApplyDeviceStatus | lifecycle.ApplyNodeDeviceFinalizer
+                      | lifecycle.ApplyNodeDeviceStatus):  # fmt: skip
+            status = isinstance(write, lifecycle.ApplyDeviceStatus | lifecycle.ApplyNodeDeviceStatus)
             try:
-                with metrics.write("pcidevices/status" if status else "pcidevices", "apply"):
-                    obj = await self.devices.apply(write.body, OPERATOR_MANAGER, status=status)
+                with metrics.write(f"{kind.plural}/status" if status else kind.plural, "apply"):
+                    obj = await kind.apply(write.body, OPERATOR_MANAGER, status=status)
             except ApiError as exc:
-                # Deleted (404), or deleted and made anew (409, the uid differs): decide again.
+                # Deleted (404), or deleted and made anew (409: the uid differs) since the decision:
+                # decide again. A status write, or one that names the uid, never makes the object.
                 if exc.status in (404, 409) and (status or write.body["metadata"].get("uid")):
-                    return ("device-gone", write.namespace, "") if exc.status == 404 else None
+                    return (f"{what}-gone", namespace or "", "") if exc.status == 404 else None
                 raise
-            if made is not None and obj.get("metadata", {}).get("uid"):
-                made[write.namespace] = obj["metadata"]["uid"]
-            return _expect("device", write.namespace, obj)
-        if isinstance(write, lifecycle.DeleteDevice):
-            with metrics.write("pcidevices", "delete") as counted:
-                answer = await self.devices.delete(name, write.namespace, uid=write.uid, resource_version=write.resource_version)
-                counted.status(answer)
-            if answer == 409:
-                return None  # it changed (or was made anew) since the decision: decide again, no waiting
-            log.info("deleting PCIDevice %s/%s", write.namespace, name)
-            return ("device-gone", write.namespace, "")
-        if isinstance(write, lifecycle.ApplyNodeDeviceFinalizer | lifecycle.ApplyNodeDeviceStatus):
-            status = isinstance(write, lifecycle.ApplyNodeDeviceStatus)
-            try:
-                with metrics.write("nodepcidevices/status" if status else "nodepcidevices", "apply"):
-                    obj = await self.node_devices.apply(write.body, OPERATOR_MANAGER, status=status)
-            except ApiError as exc:
-                if exc.status in (404, 409):  # deleted (and maybe made anew) meanwhile: decide again
-                    return ("node-device-gone", "", "") if exc.status == 404 else None
-                raise
-            return _expect("node-device", "", obj)
-        if isinstance(write, lifecycle.DeleteNodeDevice):
-            with metrics.write("nodepcidevices", "delete") as counted:
-                answer = await self.node_devices.delete(name, uid=write.uid, resource_version=write.resource_version)
-                counted.status(answer)
-            if answer == 409:
-                return None  # changed since the decision (its node came back?), or made anew: decide again
-            log.info("deleted NodePCIDevice %s: gone from its node, or its node gone past the grace period", name)
-            return ("node-device-gone", "", "")
+            if made is not None and namespace is not None and obj.get("metadata", {}).get("uid"):
+                made[namespace] = obj["metadata"]["uid"]
+            return _expect(what, namespace or "", obj)
         raise TypeError(f"unknown write {write!r}")
+
+    async def _delete(self, kind: Custom, what: str, name: str, namespace: str | None, write: Any):
+        with metrics.write(kind.plural, "delete") as counted:
+            answer = await kind.delete(name, namespace, uid=write.uid, resource_version=write.resource_version)
+            counted.status(answer)
+        if answer == 409:
+            # It changed since the decision (a node that came back), or was made anew: decide again, no waiting.
+            return None
+        if namespace is not None:
+            log.info("deleting PCIDevice %s/%s", namespace, name)
+        else:
+            log.info("deleted NodePCIDevice %s: gone from its node, or its node gone past the grace period", name)
+        return (f"{what}-gone", namespace or "", "")
 
     async def sync_kubevirt(self) -> None:
         config = self.config()
