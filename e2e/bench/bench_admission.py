@@ -132,8 +132,16 @@ async def bench(local: cluster.LocalCluster, tmp: Path, args: argparse.Namespace
         pcidevices = Custom(api, "pcidevices", namespaced=True)
         for name in devices:
             await support.assign(api, name, NAMESPACE)
+        npcis = Custom(api, "nodepcidevices")
+
+        async def handed_out(name: str) -> bool:
+            # The operator's record of the hand-out (with Assigned=True) comes just after the
+            # PCIDevice; the webhook counts the PCIDevice only once it is there.
+            ref = (((await npcis.get(name)) or {}).get("status") or {}).get("assignedNamespaceRef") or {}
+            return ref.get("name") == NAMESPACE and await pcidevices.get(name, NAMESPACE) is not None
+
         for name in devices:
-            await support.wait_for(lambda: pcidevices.get(name, NAMESPACE), 30, what=f"PCIDevice {name}")
+            await support.wait_for(lambda: handed_out(name), 30, what=f"PCIDevice {name} handed out")
 
         print(f"machine:                  {os.cpu_count()} CPUs; {DEVICES} devices of one node in one namespace")
         await timed_creates(api, devices, 10)  # warm-up: connections, the API server's caches
