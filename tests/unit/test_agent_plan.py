@@ -121,3 +121,75 @@ def test_devices_not_on_vfio_or_whose_bind_failed_are_served_by_nobody(gpu_node)
     bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
     served = plan.resources(bound, {}, names, in_gpu_mode=True, failed=["0000:3b:00.0"])
     assert [s.address for s in served[A10]] == ["0000:af:00.0"]
+
+
+# -- the node's guarantees: hand-out, holders, the group, other plugins -------------------------
+
+from passthrough.deviceplugin.holder import Holder  # noqa: E402
+
+
+def test_a_gpu_a_pool_pod_holds_is_served_by_nobody_once_assigned_until_that_pod_ends(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
+    gpu = names["0000:af:00.0"]
+    pool_pod = {"0000:af:00.0": (Holder("team-b", "pool-vm", A10),)}
+    # Still pooled: the pool pod holds it where it belongs.
+    assert "0000:af:00.0" in [s.address for s in plan.resources(bound, {}, names, True, holders=pool_pod)[A10]]
+    serving = plan.serving(bound, {gpu: "team-a"}, names, True, claimed={gpu}, holders=pool_pod)
+    assert serving.resources[f"passthrough.io/{gpu}"] == ()  # not allocatable under its new resource
+    assert [s.address for s in serving.resources[A10]] == ["0000:3b:00.0"]  # nor back in the pool
+    assert serving.blocked == {"0000:af:00.0": pool_pod["0000:af:00.0"]}
+    freed = plan.serving(bound, {gpu: "team-a"}, names, True, claimed={gpu}, holders={})
+    assert freed.resources[f"passthrough.io/{gpu}"] == (plan.Served("0000:af:00.0", 21, 1),) and freed.blocked == {}
+
+
+def test_an_unassigned_gpu_its_pod_still_holds_goes_back_to_the_pool_only_when_the_pod_ends(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
+    gpu = names["0000:af:00.0"]
+    vm = {"0000:af:00.0": (Holder("team-a", "virt-launcher-vm", f"passthrough.io/{gpu}"),)}
+    serving = plan.serving(bound, {}, names, True, holders=vm)
+    assert [s.address for s in serving.resources[A10]] == ["0000:3b:00.0"] and "0000:af:00.0" in serving.blocked
+
+
+def test_a_device_reassigned_while_the_old_namespaces_pod_holds_it_waits_for_that_pod(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, "0000:af:00.0", "0000:af:00.1")
+    gpu = names["0000:af:00.0"]
+    resource = f"passthrough.io/{gpu}"
+    team_a_pod = {"0000:af:00.0": (Holder("team-a", "virt-launcher-vm", resource),)}
+    # Same resource name, another namespace: the kubelet cannot tell them apart, the agent must.
+    moved = plan.serving(bound, {gpu: "team-b"}, names, False, claimed={gpu}, holders=team_a_pod)
+    assert moved.resources == {resource: ()} and moved.blocked == team_a_pod
+    # Its own namespace's pod holds it: that is the running VM, served as ever.
+    stayed = plan.serving(bound, {gpu: "team-a"}, names, False, claimed={gpu}, holders=team_a_pod)
+    assert stayed.resources == {resource: (plan.Served("0000:af:00.0", 21, 1),)} and stayed.blocked == {}
+
+
+def test_no_member_of_a_group_with_a_claimed_member_is_pooled(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
+    audio = names["0000:af:00.1"]
+    # The audio function is assigned (even before its hand-out): its GPU leaves the pool, since a
+    # pool pod would get /dev/vfio/21 and with it the assigned device.
+    assert [s.address for s in plan.resources(bound, {}, names, True, claimed={audio})[A10]] == ["0000:3b:00.0"]
+    assert plan.plan(devices, {}, names, in_gpu_mode=True, claimed={audio}).bind == {20: ("0000:3b:00.0", "0000:3b:00.1")}
+
+
+def test_a_device_assigned_but_not_handed_out_is_neither_bound_nor_served(gpu_node):
+    devices, names = gpu_node
+    nic = names["0000:af:00.1"]
+    # The caller passes only handed-out assignments: a namespace that does not exist yet is not one.
+    assert plan.plan(devices, {}, names, in_gpu_mode=False, claimed={nic}).bind == {}
+
+
+def test_a_device_another_plugin_serves_is_not_ours_to_bind_give_back_or_serve(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
+    others = {"0000:3b:00.0": "nvidia.com/GA102GL_A10"}
+    assert plan.plan(devices, {}, names, in_gpu_mode=True, others=others).bind == {21: ("0000:af:00.0", "0000:af:00.1")}
+    ours = {d.address for d in bound if d.iommu_group == 20}
+    assert plan.plan(bound, {}, names, in_gpu_mode=False, ours=ours, others=others).release == {}
+    gpu = names["0000:3b:00.0"]
+    served = plan.resources(bound, {gpu: "team-a"}, names, True, claimed={gpu}, others=others)
+    assert f"passthrough.io/{gpu}" not in served and [s.address for s in served[A10]] == ["0000:af:00.0"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,10 +21,14 @@ from passthrough.agent import metrics
 from passthrough.agent.bound import Bound
 from passthrough.agent.plan import Plan, Served
 from passthrough.deviceplugin.allocation import PluginDevice
+from passthrough.deviceplugin.holder import Holder
 from passthrough.pci.binder import DEADLINE, Binder
 from passthrough.pci.discovery import Device
 from passthrough.pci.health import Health
 from passthrough.pci.vfio import BindError
+
+if TYPE_CHECKING:  # the module itself loads gRPC, for an agent that serves device plugins only
+    from passthrough.deviceplugin.podresources import KubeletView
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +49,12 @@ class Outcome:
     held: dict[int, tuple[str, ...]] = field(default_factory=dict)  # groups kept on vfio-pci for their holder
     waiting: dict[str, BindError] = field(default_factory=dict)  # address -> who holds it (HeldByPod/Process)
     overrides: dict[str, BindError] = field(default_factory=dict)  # address -> its override names a missing driver
+    others: dict[str, BindError] = field(default_factory=dict)  # address -> another plugin serves it
     unhealthy: dict[str, str] = field(default_factory=dict)  # address -> why a served device cannot be used now
 
     def problems(self) -> dict[str, BindError]:
         """Address -> what keeps it from being served, the most pressing when there are several."""
-        found = {**self.overrides, **self.release_failures, **self.waiting}
+        found = {**self.overrides, **self.others, **self.release_failures, **self.waiting}
         found.update((a, BindError("Unhealthy", why)) for a, why in self.unhealthy.items())
         found.update(self.failures)
         return found
@@ -110,7 +116,8 @@ class Handover:
         await self.plugins.close()
         await self.binder.close()
 
-    async def carry_out(self, plan: Plan) -> Outcome:
+    async def carry_out(self, plan: Plan, view: KubeletView | None = None) -> Outcome:
+        """`view`: the kubelet's answer of this scan (`look`); None when it could not be asked."""
         outcome = Outcome()
         for group, late in self.binder.overdue.items():
             for address in late.members:
@@ -130,11 +137,10 @@ class Handover:
                 metrics.BINDS.inc()
                 outcome.bound[group] = members
         if plan.release:
-            await self._release(plan, outcome)
+            await self._release(plan, outcome, view.holders if view is not None else None)
         return outcome
 
-    async def _release(self, plan: Plan, outcome: Outcome) -> None:
-        holders = await self._holders()
+    async def _release(self, plan: Plan, outcome: Outcome, holders: dict[str, tuple[Holder, ...]] | None) -> None:
         for group, members in plan.release.items():
             held = _held_by_pods(members, holders)
             if held is not None:
@@ -161,12 +167,12 @@ class Handover:
             metrics.GIVE_BACKS.inc()
             outcome.released[group] = members
 
-    async def _holders(self):
-        """Device id -> the pods holding it; None when the kubelet cannot say."""
-        from passthrough.deviceplugin.podresources import PodResourcesUnavailable, holders
+    async def look(self) -> KubeletView | None:
+        """Which pods hold which device, and what every plugin serves; None when the kubelet cannot say."""
+        from passthrough.deviceplugin.podresources import PodResourcesUnavailable, view
 
         try:
-            found = await holders(self.pod_resources_socket)
+            found = await view(self.pod_resources_socket)
         except PodResourcesUnavailable as exc:
             if not self._unavailable_logged:
                 self._unavailable_logged = True
@@ -219,7 +225,30 @@ class Handover:
         return ""
 
 
-def _held_by_pods(members: tuple[str, ...], holders) -> BindError | None:
+def served_elsewhere(view: KubeletView | None, ours: list[str]) -> dict[str, str]:
+    """Address -> the resource another device plugin serves it under (NVIDIA's sandbox plugin,
+    KubeVirt's own, SR-IOV's): not ours to bind or serve."""
+    if view is None:
+        return {}
+    return {device: resource for device, resource in view.allocatable.items() if resource not in ours}
+
+
+def held_elsewhere(address: str, holders: tuple[Holder, ...]) -> BindError:
+    pods = ", ".join(sorted(str(h) for h in holders))
+    return BindError("HeldByPod", f"{pods} still holds {address} under its previous resource or namespace: nobody else "
+                     "gets it until that pod ends, then it is served where it now belongs")  # fmt: skip
+
+
+def other_plugin(address: str, resource: str) -> BindError:
+    return BindError(
+        "ServedByOtherPlugin",
+        f"{address} is served by another device plugin as {resource} (NVIDIA's sandbox plugin, KubeVirt's own, SR-IOV's): "
+        "one device, one server, so this agent neither binds nor serves it. Leave it to that plugin, or stop it serving "
+        "this device (for NVIDIA's plugin: --no-pool-resources here is the coexistence mode, see the README)",
+    )
+
+
+def _held_by_pods(members: tuple[str, ...], holders: dict[str, tuple[Holder, ...]] | None) -> BindError | None:
     if holders is None:
         return BindError("HeldByPod", "the kubelet's PodResources API cannot be asked which pods hold it, so it is "
                          "kept on vfio-pci; it is given back once the kubelet answers and no pod holds it")  # fmt: skip

@@ -21,7 +21,7 @@ import aiohttp
 from passthrough.agent import metrics
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
-from passthrough.agent.handover import WAITING, Handover, Outcome
+from passthrough.agent.handover import WAITING, Handover, Outcome, held_elsewhere, other_plugin, served_elsewhere
 from passthrough.api.models import NODE_PCI_DEVICE
 from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
 from passthrough.kube.cache import Mirror
@@ -69,6 +69,7 @@ class Agent:
         rescan_interval: float = 300,
         concurrency: int = WRITES_AT_ONCE,
         handover: Handover | None = None,
+        virtual_functions: bool = False,
     ) -> None:
         if not node_name:
             raise AgentError("no node name: pass --node-name or set NODE_NAME (the agent reports the devices of one node)")
@@ -85,9 +86,11 @@ class Agent:
         self._attributes: dict[str, dict[str, Any]] = {}  # object name -> attributes last reported
         self._limit = asyncio.Semaphore(concurrency)
         self._logged: set[str] = set()
-        self._assignments: dict[str, str] = {}
+        self._assignments: dict[str, str] = {}  # object name -> namespace it is handed out to
+        self._claimed: frozenset[str] = frozenset()  # object names an admin assigned, handed out or not
         self._node_labels: dict[str, str] = {}
         self.handover = handover
+        self.virtual_functions = virtual_functions  # SR-IOV VFs reported too (an admin's opt-in)
         if handover is not None:
             handover.on_change = self.trigger  # a late write returned, or a served device's health flipped
         self.events = EventRecorder(api, "passthrough-agent")
@@ -189,9 +192,16 @@ class Agent:
                 backoff = min(backoff * 2, 30)
 
     def _relevant_change(self) -> bool:
-        """Our own status writes come back through the watch too; only assignments and deletions matter."""
-        current = {name: (obj.get("spec") or {}).get("assignedNamespace", "") for name, obj in self.mirror.objects.items()}
-        return current != self._assignments
+        """Our own status writes come back through the watch too; only assignments, hand-outs and
+        deletions matter."""
+        return self._assignment_view() != (self._assignments, self._claimed)
+
+    def _assignment_view(self) -> tuple[dict[str, str], frozenset[str]]:
+        """Object name -> the namespace it is handed out to (only those), and the names an admin assigned."""
+        objects = self.mirror.objects.items()
+        handed = {name: namespace for name, obj in objects if (namespace := report.handed_out(obj))}
+        claimed = frozenset(name for name, obj in objects if (obj.get("spec") or {}).get("assignedNamespace"))
+        return handed, claimed
 
     # -- one scan ----------------------------------------------------------------------------
 
@@ -213,9 +223,7 @@ class Agent:
             self._log_once(problem, "%s", problem)
         result.writes += await self._label_node(node, discovery)
 
-        self._assignments = {
-            name: (obj.get("spec") or {}).get("assignedNamespace", "") for name, obj in self.mirror.objects.items()
-        }
+        self._assignments, self._claimed = self._assignment_view()
         outcome = Outcome()
         if self.handover is not None:
             discovery, outcome = await self._hand_over(discovery)
@@ -250,20 +258,28 @@ class Agent:
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         in_gpu_mode = node_plan.gpu_mode(self._node_labels)
         serve_pools = self.handover.serve_pools
+        view = await self.handover.look()
+        others = served_elsewhere(view, self.handover.plugins.resources)
+        context = {"claimed": self._claimed, "holders": view.holders if view else None, "others": others}
         wanted = node_plan.plan(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools,
-                                ours=self.handover.bound, locked=self.handover.locked())  # fmt: skip
+                                ours=self.handover.bound, locked=self.handover.locked(), claimed=self._claimed,
+                                others=others)  # fmt: skip
         if wanted.release:
             # Withdrawn from the kubelet before anyone looks for holders: no pod gets it meanwhile.
             await self.handover.serve(node_plan.resources(discovery.devices, self._assignments, names, in_gpu_mode,
-                                                          serve_pools, self.handover.locked()))  # fmt: skip
-        outcome = await self.handover.carry_out(wanted)
+                                                          serve_pools, self.handover.locked(), **context))  # fmt: skip
+        outcome = await self.handover.carry_out(wanted, view)
         if outcome.writes:
             # Drivers moved: report what the kernel says now, not what it said before.
             discovery = await self._discover()
         outcome.overrides = self.handover.override_problems(discovery.devices)
         outcome.unhealthy = dict(self.handover.unhealthy)
-        served = node_plan.resources(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools, outcome.failures)
-        await self.handover.serve(served)
+        outcome.others = {a: other_plugin(a, r) for a, r in others.items()}
+        serving = node_plan.serving(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools,
+                                    outcome.failures, **context)  # fmt: skip
+        for address, holders in serving.blocked.items():
+            outcome.waiting[address] = held_elsewhere(address, holders)
+        await self.handover.serve(serving.resources)
         if self._again is not None:
             self._again.cancel()
             self._again = None
@@ -274,14 +290,15 @@ class Agent:
             self._again = asyncio.get_running_loop().call_later(delay, self._wake.set)
         else:
             self._retry = 0
-            if outcome.held:
+            if outcome.held or serving.blocked:
                 # Given back once the pod that holds it is gone; the kubelet tells no one, so ask again.
                 self._again = asyncio.get_running_loop().call_later(HELD_RECHECK, self._wake.set)
         return discovery, outcome
 
     async def _discover(self) -> Discovery:
         locked = self.handover.locked() if self.handover is not None else frozenset()
-        return await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids, locked)
+        return await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids, locked,
+                                       virtual_functions=self.virtual_functions)  # fmt: skip
 
     def _tell(self, outcome: Outcome, names: dict[str, str]) -> None:
         """Log and post an Event for every move and every new failure; repeats stay quiet."""

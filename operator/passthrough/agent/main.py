@@ -46,6 +46,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float) -> int
             proc_root=Path(args.proc_root),
             pci_ids=PciIds.load(args.pci_ids, host_root=args.host_root),
             rescan_interval=rescan,
+            virtual_functions=args.sriov_virtual_functions,
             handover=handover,
         )
         AGENT_STATE.plugins = lambda: handover.plugins if handover is not None else None

@@ -16,6 +16,16 @@ the plan out. The rules:
   (count 1); every other pool GPU bound to vfio-pci is in its model's pool. A pool stays
   served with no device while the node has GPUs of that model, so the kubelet shows 0
   rather than a stale count when all of them are assigned.
+- "Assigned" means handed out: the operator's `Assigned=True` for the namespace the spec
+  names (the caller passes only those). A device waiting for its hand-out is neither bound
+  nor served.
+- The IOMMU group is the unit: while any member is claimed (`claimed`: a spec assignment,
+  handed out or not), no member is pooled.
+- Pods are holders: a device that a pod holds under another resource, or under its own
+  exclusive resource for another namespace, is served by nobody until that pod ends
+  (`Serving.blocked`), so the kubelet never hands it to a second pod or a second tenant.
+- A device another device plugin serves (`others`) is not ours: neither bound, given back
+  nor served.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from passthrough.deviceplugin.holder import Holder
 from passthrough.pci.discovery import BRIDGE_CLASS, Device
 from passthrough.pci.naming import exclusive_resource_name
 from passthrough.pci.vfio import VFIO_DRIVER
@@ -74,17 +85,23 @@ def plan(
     serve_pools: bool = True,
     ours: Container[str] = frozenset(),
     locked: Container[str] = frozenset(),
+    claimed: Container[str] = frozenset(),
+    others: Mapping[str, str] | None = None,
 ) -> Plan:
     """`assignments`: object name -> assigned namespace; `names`: address -> object name;
     `ours`: the addresses the agent moved to vfio-pci itself; `locked`: those with a write in flight."""
     devices = list(devices)
+    others = others or {}
+    unpooled = _claimed_groups(devices, names, claimed)
     want = frozenset(
-        d.address for d in devices if wanted(d, assignments.get(names.get(d.address, ""), ""), in_gpu_mode, serve_pools)
-    )
+        d.address for d in devices
+        if d.address not in others
+        and wanted(d, assignments.get(names.get(d.address, ""), ""), in_gpu_mode and d.iommu_group not in unpooled, serve_pools)
+    )  # fmt: skip
     bind: dict[int, tuple[str, ...]] = {}
     release: dict[int, tuple[str, ...]] = {}
     for group, members in sorted(_members(devices).items()):
-        if any(m.address in locked for m in members):
+        if any(m.address in locked or m.address in others for m in members):
             continue
         if any(m.address in want for m in members):
             bind[group] = tuple(sorted(m.address for m in members))
@@ -95,22 +112,37 @@ def plan(
     return Plan(bind=bind, release=release, wanted=want)
 
 
-def resources(
+@dataclass(frozen=True)
+class Serving:
+    resources: dict[str, tuple[Served, ...]]  # resource name -> the devices its plugin serves
+    blocked: dict[str, tuple[Holder, ...]]  # address -> the pods that keep it from its new resource
+
+
+def serving(
     devices: Iterable[Device],
     assignments: Mapping[str, str],
     names: Mapping[str, str],
     in_gpu_mode: bool,
     serve_pools: bool = True,
     failed: Iterable[str] = (),
-) -> dict[str, tuple[Served, ...]]:
-    """Resource name -> the devices its plugin serves, from a scan made after binding.
+    *,
+    claimed: Container[str] = frozenset(),
+    holders: Mapping[str, tuple[Holder, ...]] | None = None,
+    others: Mapping[str, str] | None = None,
+) -> Serving:
+    """What the device plugins serve, from a scan made after binding.
 
-    `failed`: addresses whose group could not be bound; they are served by nobody.
+    `failed`: addresses whose group could not be bound; `holders`: address -> the pods holding
+    it (the kubelet's PodResources); `others`: address -> the resource another plugin serves it
+    under. Devices in any of these ways unfit are served by nobody.
     """
-    failed = set(failed)
+    devices = sorted(devices, key=lambda d: d.address)
+    failed, holders, others = set(failed), holders or {}, others or {}
+    unpooled = _claimed_groups(devices, names, claimed)
     served: dict[str, list[Served]] = {}
-    for device in sorted(devices, key=lambda d: d.address):
-        if not device.reported or not device.eligible:
+    blocked: dict[str, tuple[Holder, ...]] = {}
+    for device in devices:
+        if not device.reported or not device.eligible or device.address in others:
             continue
         name = names.get(device.address, "")
         assigned = assignments.get(name, "")
@@ -120,10 +152,28 @@ def resources(
         if device.driver != VFIO_DRIVER or device.address in failed:
             continue
         if assigned:
-            served.setdefault(exclusive_resource_name(name), []).append(_served(device))
-        elif pooled:
-            served[device.resource_name].append(_served(device))
-    return {resource: tuple(items) for resource, items in served.items()}
+            resource = exclusive_resource_name(name)
+        elif pooled and device.iommu_group not in unpooled:
+            resource = device.resource_name
+        else:
+            continue
+        served.setdefault(resource, [])
+        elsewhere = tuple(h for h in holders.get(device.address, ()) if h.resource != resource or (assigned and h.namespace != assigned))
+        if elsewhere:
+            blocked[device.address] = elsewhere
+            continue
+        served[resource].append(_served(device))
+    return Serving({resource: tuple(items) for resource, items in served.items()}, blocked)
+
+
+def resources(*args, **kwargs) -> dict[str, tuple[Served, ...]]:
+    """Resource name -> the devices its plugin serves (`serving`'s resources)."""
+    return serving(*args, **kwargs).resources
+
+
+def _claimed_groups(devices: Iterable[Device], names: Mapping[str, str], claimed: Container[str]) -> set[int]:
+    """IOMMU groups with a member an admin assigned: none of their members is pooled."""
+    return {d.iommu_group for d in devices if d.iommu_group >= 0 and names.get(d.address, "") in claimed}
 
 
 def _served(device: Device) -> Served:

@@ -19,7 +19,7 @@ from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
 READY = "Ready"
 # Reasons whose message already says when the device comes back (a holder lets go, a write
 # returns, an admin acts): no "tries again" to add.
-SAYS_WHEN = frozenset({"HeldByPod", "HeldByProcess", "WriteBlocked", "Unhealthy", "VendorDriverInUse",
+SAYS_WHEN = frozenset({"HeldByPod", "HeldByProcess", "WriteBlocked", "Unhealthy", "VendorDriverInUse", "ServedByOtherPlugin",
                        "OverrideDriverMissing"})  # fmt: skip
 
 
@@ -52,6 +52,20 @@ def has_identity(live: dict[str, Any], node: Node) -> bool:
     meta = live.get("metadata", {})
     owners = meta.get("ownerReferences") or []
     return meta.get("labels", {}).get(NODE_LABEL) == node.name and not any(o.get("kind") == "Node" for o in owners)
+
+
+def handed_out(live: dict[str, Any]) -> str:
+    """The namespace the operator has handed the device to, "" while it has not: the spec names
+    it, and the operator says `Assigned=True` and recorded that same namespace (with its uid).
+    Until then the node neither binds nor serves it (a namespace that does not exist yet, a
+    group conflict, an allow-list not applied)."""
+    wanted = (live.get("spec") or {}).get("assignedNamespace", "")
+    status = live.get("status") or {}
+    ref = status.get("assignedNamespaceRef") or {}
+    assigned = next((c for c in status.get("conditions") or [] if c.get("type") == "Assigned"), {})
+    if wanted and ref.get("name") == wanted and ref.get("uid") and assigned.get("status") == "True":
+        return wanted
+    return ""
 
 
 def resource_and_mode(device: Device, name: str, assigned_namespace: str) -> tuple[str, str]:

@@ -1,8 +1,10 @@
-"""Which devices the node's pods hold, from the kubelet's PodResources API (v1 `List`).
+"""Which devices the node's pods hold, and which every device plugin serves, from the kubelet's
+PodResources API (v1 `List`, `GetAllocatableResources`).
 
-The agent asks before it gives a device back to its host driver: a device a pod holds must
-never be pulled from under its VM. When the kubelet cannot be asked, the answer is "unknown",
-never "nothing": callers get PodResourcesUnavailable and give nothing back.
+The agent asks at every scan: a device a pod holds must never be pulled from under its VM, nor
+handed to a second pod under another resource; a device another plugin serves is not ours.
+When the kubelet cannot be asked, the answer is "unknown", never "nothing": callers get
+PodResourcesUnavailable and give nothing back.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from passthrough.deviceplugin.holder import Holder
 from passthrough.deviceplugin.kubeletapi.podresources_v1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.podresources_v1 import api_pb2_grpc as api_grpc
 
@@ -20,18 +23,6 @@ POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 
 class PodResourcesUnavailable(RuntimeError):
     """The kubelet's PodResources API could not be asked; which devices are held is unknown."""
-
-
-@dataclass(frozen=True)
-class Holder:
-    """A pod that holds a device, and under which resource."""
-
-    namespace: str
-    pod: str
-    resource: str
-
-    def __str__(self) -> str:
-        return f"pod {self.namespace}/{self.pod} ({self.resource})"
 
 
 async def held_devices(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0) -> dict[str, set[str]]:
@@ -45,14 +36,43 @@ async def held_devices(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0
 
 async def holders(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0) -> dict[str, tuple[Holder, ...]]:
     """Device ID -> the pods on this node that hold it, each with the resource it holds it under."""
+    return (await view(socket, timeout, allocatable=False)).holders
+
+
+@dataclass(frozen=True)
+class KubeletView:
+    holders: dict[str, tuple[Holder, ...]]  # device ID -> the pods that hold it
+    allocatable: dict[str, str]  # device ID -> the resource some plugin (ours or not) serves it under
+
+
+async def view(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0, allocatable: bool = True) -> KubeletView:
+    """Who holds what, and (with `allocatable`) which resource every served device is under."""
     socket = Path(socket)
     if not socket.exists():
         raise PodResourcesUnavailable(f"{socket} does not exist (is the kubelet running?)")
+    served: dict[str, str] = {}
     try:
         async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
-            answer = await api_grpc.PodResourcesListerStub(channel).List(api.ListPodResourcesRequest(), timeout=timeout)
+            stub = api_grpc.PodResourcesListerStub(channel)
+            answer = await stub.List(api.ListPodResourcesRequest(), timeout=timeout)
+            if allocatable:
+                served = await _allocatable(stub, timeout)
     except grpc.aio.AioRpcError as exc:
-        raise PodResourcesUnavailable(f"PodResources List on {socket} failed ({exc.code().name}: {exc.details()})") from None
+        raise PodResourcesUnavailable(f"PodResources on {socket} failed ({exc.code().name}: {exc.details()})") from None
+    return KubeletView(_holders(answer), served)
+
+
+async def _allocatable(stub: api_grpc.PodResourcesListerStub, timeout: float) -> dict[str, str]:
+    try:
+        answer = await stub.GetAllocatableResources(api.AllocatableResourcesRequest(), timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        return {}  # a kubelet older than 1.23, or with the endpoint turned off: other plugins go unseen
+    return {device_id: devices.resource_name for devices in answer.devices for device_id in devices.device_ids}
+
+
+def _holders(answer: api.ListPodResourcesResponse) -> dict[str, tuple[Holder, ...]]:
     found: dict[str, dict[Holder, None]] = {}
     for pod in answer.pod_resources:
         for container in pod.containers:
