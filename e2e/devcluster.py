@@ -60,8 +60,12 @@ def _spawn(name: str, args: list[str], logs: Path) -> subprocess.Popen:
 
 def _spawn_module(name: str, args: list[str], logs: Path) -> subprocess.Popen:
     log = (logs / f"{name}.log").open("ab")
+    # A session of its own: Ctrl-C reaches only this process, which stops the children in order,
+    # each once (a second stop signal is an error to Kopf, and a child's own helpers would die
+    # mid-line with a KeyboardInterrupt).
     return subprocess.Popen(
-        [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, cwd=REPO
+        [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, cwd=REPO,
+        start_new_session=True,
     )
 
 

@@ -20,6 +20,7 @@ def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, t
     proc = subprocess.Popen(
         [sys.executable, "-m", "e2e.devcluster"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PASSTHROUGH_DEVCLUSTER_DIR": str(workdir), "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,  # a process group of its own, as a shell's foreground job
     )
     lines = []
     try:
@@ -55,9 +56,15 @@ def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, t
         pids = [int(p) for p in subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()]
         assert pids  # etcd, the API server, the controller-manager, the operator and the agents
     finally:
-        proc.send_signal(signal.SIGINT)
+        # Ctrl-C: the terminal sends SIGINT to the whole foreground process group.
+        os.killpg(proc.pid, signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, rest
     assert "stopped" in rest
+    # Stopped in order, each process once: no ERROR, no traceback in any of our logs.
+    for log in sorted((workdir / "logs").glob("*.log")):
+        if log.stem.startswith(("operator", "agent-", "kernel-")):
+            text = log.read_text()
+            assert " ERROR " not in text and "Traceback" not in text, f"{log.name}:\n{text[-3000:]}"
     alive = [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text()]
     assert alive == [], f"left behind: {alive}"
