@@ -35,6 +35,16 @@ class GuestError(RuntimeError):
     """The guest did not boot, or a command in it failed; the message carries what to read."""
 
 
+class GuestTimeout(GuestError):
+    """A command ran past its timeout in the guest and was killed. `stuck`: it is still there,
+    blocked in the kernel (a sysfs write that waits uninterruptibly, as an unbind of a held
+    device does); its pid is `pid`."""
+
+    def __init__(self, message: str, stuck: bool, pid: int) -> None:
+        super().__init__(message)
+        self.stuck, self.pid = stuck, pid
+
+
 # -- the machine ----------------------------------------------------------------------------
 
 
@@ -213,7 +223,11 @@ class Guest:
     def run(self, *argv: str, timeout: float = 300, env: dict[str, str] | None = None, input: str | None = None, check: bool = True) -> Result:
         answer = self.call("run", argv=list(argv), timeout=timeout, env=env, input=input, wait=timeout + 30)
         if answer.get("timeout"):
-            raise GuestError(f"{shlex.join(argv)} ran past {timeout}s in the guest\n{answer['stderr'][-2000:]}")
+            state = "killed, and still blocked in the kernel" if answer["stuck"] else "killed"
+            raise GuestTimeout(
+                f"{shlex.join(argv)} ran past {timeout}s in the guest ({state})\n{answer['stderr'][-2000:]}",
+                answer["stuck"], answer["pid"],
+            )
         result = Result(answer["rc"], answer["stdout"], answer["stderr"], answer["seconds"])
         if check and result.rc != 0:
             raise GuestError(f"{shlex.join(argv)} exited {result.rc} in the guest\n{result.stderr[-3000:]}")

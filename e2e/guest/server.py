@@ -3,7 +3,7 @@
 Started once per boot by stage 2 (so Python's start, about 12x slower under TCG, is paid
 once), reached from the host through QEMU's hostfwd on 127.0.0.1. Standard library only.
 Operations: `ping`, `run` (a command to completion), `python` (code exec'd in this process,
-modules imported once stay imported; it sets `result`), `spawn` / `poll` / `signal` /
+modules imported once stay imported, `state` is kept between requests; it sets `result`), `spawn` / `poll` / `signal` /
 `wait` (background processes, output to a log file), and `qmp` (a command to a QEMU
 monitor socket in the guest). The host side is e2e/guest/machine.py's Guest.
 """
@@ -36,30 +36,36 @@ def op_ping(request: dict[str, Any]) -> dict[str, Any]:
 
 def op_run(request: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
+    proc = subprocess.Popen(
+        request["argv"],
+        stdin=subprocess.PIPE if request.get("input") is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="backslashreplace",
+        env=_env(request.get("env")),
+        cwd=request.get("cwd"),
+    )
     try:
-        proc = subprocess.run(
-            request["argv"],
-            input=request.get("input"),
-            capture_output=True,
-            text=True,
-            errors="backslashreplace",
-            timeout=request.get("timeout"),
-            env=_env(request.get("env")),
-            cwd=request.get("cwd"),
-        )
-    except subprocess.TimeoutExpired as exc:
-        return {"timeout": True, "stdout": _text(exc.stdout), "stderr": _text(exc.stderr), "seconds": time.monotonic() - started}
-    return {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "seconds": time.monotonic() - started}
+        stdout, stderr = proc.communicate(request.get("input"), timeout=request.get("timeout"))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            stdout, stderr = proc.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            # Killed but still there: blocked in the kernel (an unbind whose device is held
+            # waits uninterruptibly). Waiting for it would hang this request too.
+            stdout, stderr = "", ""
+        return {"timeout": True, "stuck": proc.poll() is None, "pid": proc.pid, "stdout": stdout, "stderr": stderr,
+                "seconds": time.monotonic() - started}  # fmt: skip
+    return {"rc": proc.returncode, "stdout": stdout, "stderr": stderr, "seconds": time.monotonic() - started}
 
 
-def _text(data: bytes | str | None) -> str:
-    if isinstance(data, bytes):
-        return data.decode(errors="backslashreplace")
-    return data or ""
+STATE: dict[str, Any] = {}  # what `python` code keeps between requests (a kubelet harness, say)
 
 
 def op_python(request: dict[str, Any]) -> dict[str, Any]:
-    namespace: dict[str, Any] = {"__name__": "__guest__", "args": request.get("args", {})}
+    namespace: dict[str, Any] = {"__name__": "__guest__", "args": request.get("args", {}), "state": STATE}
     started = time.monotonic()
     exec(compile(request["code"], "<guest>", "exec"), namespace)
     return {"result": namespace.get("result"), "seconds": time.monotonic() - started}

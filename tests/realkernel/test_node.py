@@ -1,0 +1,135 @@
+"""The node side on a real kernel: the real agent and the real kubelet in the guest, the operator
+and the control plane on the host. An assigned device's whole IOMMU group goes to vfio-pci, the
+device plugin's Allocate hands over what a VMM then opens, and the group comes back to its
+drivers once unassigned."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from e2e.guest.machine import AUDIO, DISPLAY, address
+from e2e.guest.node import GuestNode, allocate, drivers, wait, wait_drivers
+from e2e.guest.vmm import NestedVmm
+from e2e.processes import OperatorProcess
+from passthrough.pci.naming import resource_env_name
+
+DISPLAY_FN, AUDIO_FN = address("gpu", 0), address("gpu", 1)  # a GPU-like pair: one IOMMU group
+ORIGINAL = {DISPLAY_FN: DISPLAY.driver, AUDIO_FN: AUDIO.driver}
+ON_VFIO = {DISPLAY_FN: "vfio-pci", AUDIO_FN: "vfio-pci"}
+
+
+def _condition(device: dict, kind: str) -> str:
+    for condition in device.get("status", {}).get("conditions", []):
+        if condition["type"] == kind:
+            return condition["status"]
+    return ""
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory):
+    proc = OperatorProcess(cluster, tmp_path_factory.mktemp("rk-operator") / "operator.log")
+    proc.start(timeout=60)
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.output(), proc.output()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def node(guest, cluster, operator):
+    """Node rk-<id> in the guest: the real kubelet, then the agent, once every device is reported."""
+    node = GuestNode(guest, cluster, f"rk-{uuid.uuid4().hex[:6]}")
+    try:
+        node.start_kubelet()
+        node.start_agent()
+        started = time.monotonic()
+        wait(lambda: {DISPLAY_FN, AUDIO_FN} <= set(node.devices()), 300, f"the agent on {node.name} to report", node)
+        node.timings["agent first report"] = time.monotonic() - started
+        print(f"\nguest node {node.name}: " + ", ".join(f"{k} {v:.1f}s" for k, v in node.timings.items()))
+        yield node
+    finally:
+        log = node.stop()
+    assert "Traceback" not in log, log
+
+
+@pytest.fixture(scope="module")
+def tenant(cluster):
+    name = f"rk-tenant-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def _assign(node: GuestNode, address_: str, namespace: str) -> None:
+    name = node.devices()[address_]["metadata"]["name"]
+    patch = json.dumps({"spec": {"assignedNamespace": namespace}})
+    node.cluster.kubectl("patch", "nodepcidevice", name, "--type=merge", "-p", patch)
+
+
+@pytest.fixture(scope="module")
+def assigned(guest, node, tenant):
+    """The display function assigned to the tenant, its group bound by the agent."""
+    group = int(guest.sh(f"basename $(readlink /sys/bus/pci/devices/{DISPLAY_FN}/iommu_group)").stdout)
+    assert drivers(guest, list(ORIGINAL)) == ORIGINAL
+    started = time.monotonic()
+    _assign(node, DISPLAY_FN, tenant)
+    wait_drivers(guest, ON_VFIO, timeout=240)
+    bound = time.monotonic() - started
+    def handed_out():
+        device = node.devices()[DISPLAY_FN]
+        return device if _condition(device, "Assigned") == "True" and device["status"].get("resourceName") else None
+
+    device = wait(handed_out, 120, "Assigned=True and a resource name", node)
+    print(f"\nassign to both functions on vfio-pci: {bound:.1f}s")
+    yield {"group": group, "resource": device["status"]["resourceName"], "bind_seconds": bound}
+    if node.devices()[DISPLAY_FN]["spec"].get("assignedNamespace"):  # a test failed before giving it back
+        _assign(node, DISPLAY_FN, "")
+
+
+def test_assigned_group_goes_to_vfio_pci(guest, node, assigned):
+    group = assigned["group"]
+    assert drivers(guest, list(ON_VFIO)) == ON_VFIO, "every member of the group is on vfio-pci"
+    assert guest.run("test", "-c", f"/dev/vfio/{group}", check=False).rc == 0, f"/dev/vfio/{group} exists"
+    wait(
+        lambda: all(node.devices()[a]["status"]["attributes"]["driver"] == "vfio-pci" for a in ON_VFIO),
+        60, "the agent to report vfio-pci for both functions",
+    )  # fmt: skip
+
+
+def test_allocate_hands_over_what_a_vmm_opens(guest, node, assigned):
+    resource, group = assigned["resource"], assigned["group"]
+    # The kubelet in the guest took the plugin's registration: the node offers the device.
+    wait(
+        lambda: json.loads(node.cluster.kubectl("get", "node", node.name, "-o", "json").stdout)["status"]
+        .get("allocatable", {}).get(resource) == "1",
+        120, f"{resource}: 1 in the node's allocatable",
+    )  # fmt: skip
+    answer = allocate(guest, node.device_plugin_dir, resource, [DISPLAY_FN])
+    addresses = answer["envs"][resource_env_name(resource)].split(",")
+    assert addresses == [DISPLAY_FN], "only the allocated function, not its sibling"
+    paths = {d["host_path"] for d in answer["devices"]}
+    assert {"/dev/vfio/vfio", f"/dev/vfio/{group}"} <= paths
+
+    # virt-launcher's part: a VMM opens each address it was handed.
+    started = time.monotonic()
+    with NestedVmm(guest, addresses) as vmm:
+        opened = time.monotonic() - started
+        seen = vmm.host_devices()
+    assert sorted(seen) == addresses
+    assert (seen[DISPLAY_FN]["id"]["vendor"], seen[DISPLAY_FN]["id"]["device"]) == (
+        int(DISPLAY.vendor_id, 16), int(DISPLAY.device_id, 16),
+    )  # fmt: skip
+    print(f"\nnested VMM up with {addresses} in {opened:.1f}s")
+
+
+def test_unassigned_group_comes_back_to_its_drivers(guest, node, assigned):
+    group = assigned["group"]
+    started = time.monotonic()
+    _assign(node, DISPLAY_FN, "")
+    wait_drivers(guest, ORIGINAL, timeout=240)
+    print(f"\nunassign to both functions back on their drivers: {time.monotonic() - started:.1f}s")
+    assert guest.run("test", "-e", f"/dev/vfio/{group}", check=False).rc != 0, f"/dev/vfio/{group} is gone"
+    wait(lambda: _condition(node.devices()[DISPLAY_FN], "Assigned") == "False", 120, "Assigned=False")
