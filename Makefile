@@ -5,10 +5,22 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+# Tests run in a private mount namespace of their own: the simulated kernel (e2e/fakekernel.py)
+# mounts FUSE files over its fixture trees there, and nothing of it reaches the host's mounts.
+TESTNS := unshare --mount --propagation private
 
 .PHONY: run test unit integration crds protos controlplane cluster-up cluster-down bench chaos image venv clean
 
-venv: $(STAMP)
+venv: $(STAMP) libfuse
+
+## libfuse3 for the simulated kernel's FUSE filesystem: Debian's libfuse3-3 when the loader lacks it.
+.PHONY: libfuse
+libfuse:
+	@$(PYTHON) -c "import ctypes.util, sys; sys.exit(not ctypes.util.find_library('fuse3'))" || { \
+		echo "installing libfuse3-3 (apt-get)"; \
+		apt-get install -y -q --no-install-recommends -o DPkg::Lock::Timeout=600 libfuse3-3 \
+		|| { apt-get update -q -o DPkg::Lock::Timeout=600 \
+		     && apt-get install -y -q --no-install-recommends -o DPkg::Lock::Timeout=600 libfuse3-3; }; }
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,13 +46,13 @@ realkernel: venv
 
 ## Every test: unit tests, tests against the real control plane and on a real kernel.
 test: controlplane realkernel
-	$(PY) -m pytest -q
+	$(TESTNS) $(PY) -m pytest -q
 
 unit: venv
-	$(PY) -m pytest -q tests/unit
+	$(TESTNS) $(PY) -m pytest -q tests/unit
 
 integration: controlplane
-	$(PY) -m pytest -q tests/integration
+	$(TESTNS) $(PY) -m pytest -q tests/integration
 
 ## Regenerate crds/, the chart's CRDs and its values.schema.json from the API models.
 crds: venv

@@ -1,110 +1,331 @@
-"""A simulated kernel for fixture hosts: it answers the vfio bind sequence's sysfs writes.
+"""A simulated kernel for fixture hosts: the vfio bind sequence's sysfs files answer as Linux's do,
+inside the system call, blocking where Linux blocks.
 
-Writes to `driver_override`, `drivers/<driver>/bind` and `unbind` and `bus/pci/drivers_probe`
-move the device's `driver` link (and the driver's back link, and `dev/vfio/<group>`) as the
-kernel would, a few milliseconds later. The fixture's files are plain files, so writes are
-noticed with inotify (IN_CLOSE_WRITE). In a test:
+A FUSE filesystem (mfusepy over libfuse3) is mounted at `fakehost/kernel`, and its files are bind
+mounted over the fixture's control files: every device's `driver_override`, every driver's `bind`
+and `unbind`, `bus/pci/drivers_probe`, and the whole `dev/` folder (for `/dev/vfio/<group>`).
+Everything else stays a plain file, so a discovery reads the fixture at the speed of the disk.
+In a test:
 
     with FakeKernel(host):
         vfio.bind_group(host.sysfs, host.dev, 20, [...])
 
-or as a process of its own, until SIGTERM: `python -m e2e.fakekernel ROOT`.
+or as a process of its own, until SIGTERM: `python -m e2e.fakekernel ROOT`. Mounting is only
+done inside a private mount namespace made for the test run (`make unit`, `make integration` and
+`make test` run pytest under `unshare --mount --propagation private`); elsewhere `start` refuses.
 
-What it does, and where it stops being the kernel:
-- `driver_override`: the file holds the value; a blank write clears it to `(null)`.
-- `unbind`: the device loses its driver, unless `FakeHost.set_busy` says something holds it
-  open: then the write is accepted and the device stays bound (a driver with users), and the
-  writer notices only by looking. A device marked `set_fragile` falls off the bus instead.
-- `bind`: binds an unbound device when `driver_override` is unset or names the driver.
-- `drivers_probe`: binds an unbound device to its `driver_override` if that driver is loaded
-  (its drivers dir exists), else nothing; without an override, to its default driver
-  (`FakeHost.set_default_driver`). vfio-pci takes only a device with an IOMMU group.
-- A write is refused only where the file is not a file (`FakeHost.refuse_writes`) or not
-  there; writers must not create files (`passthrough.pci.sysfs.write_text` does not).
-- Control files are consumed: emptied once read, so the same text written again is seen.
-  Writes to one control file must not overlap (inotify merges events, and the file holds only
-  the last text): the agent waits for each step's effect before the next, as it must anyway.
-- Hotplugged devices and drivers (after start) are watched as they appear.
+What it does, as Linux 6.1 to 6.12 do (drivers/base/bus.c, dd.c and driver.c,
+drivers/pci/pci-driver.c and pci-sysfs.c, drivers/vfio/group.c):
+- A write has had its effect when write(2) returns; an error is the write's errno.
+- `driver_override`: reads show the value or `(null)`; a write keeps what comes before its first
+  newline, an empty value (or a lone newline) clears it; 4095 bytes or more are EINVAL. Reads and
+  writes take the device lock.
+- `drivers/<X>/unbind`: ENODEV unless the device is bound to X. Otherwise the device lock is
+  taken and the driver's remove runs, which waits while anything holds the device
+  (`FakeHost.hold`): the write blocks until `FakeHost.release` (or the holder's own
+  `lets_go_after`), then the device is unbound. It never refuses. A device marked `set_fragile`
+  falls off the bus instead of staying unbound.
+- `drivers/<X>/bind`: ENODEV when the device is missing or X does not match it (its
+  `driver_override` names another driver; without one, X is not its default driver, which stands
+  for the driver's ID table: vfio-pci has none); EBUSY when it has a driver; the probe's own
+  error otherwise (vfio-pci: EINVAL for a device without an IOMMU group).
+- `bus/pci/drivers_probe`: ENODEV for a device that is not there; otherwise success, whether or
+  not a driver took the device: its `driver_override` (if that driver is loaded, and nothing if it
+  is not) or, without one, its default driver. A probe takes the device lock for
+  `FakeHost.set_probe_time` seconds.
+- `/dev/vfio/<group>` exists while a member of the group is on vfio-pci and opens once: a second
+  open is EBUSY until the first is closed. A VMM's `VFIO_GROUP_SET_CONTAINER` ioctl on it fails
+  with EPERM while the group is not viable: a member is bound to a driver other than vfio-pci,
+  pci-stub or pcieport (the drivers that manage DMA themselves). An unbound member is fine.
+
+Where it stops being the kernel:
+- Holding is `FakeHost.hold`, not an open file: opening `/dev/vfio/<group>` takes the group, but
+  a VMM's device file descriptors (which are what vfio-pci's remove waits for) are not modelled.
+- Of the group's ioctls only `VFIO_GROUP_SET_CONTAINER` is answered (FUSE passes no argument
+  buffer for VFIO's `_IO` ioctls, so `VFIO_GROUP_GET_STATUS` cannot be filled in: ENOTTY).
+- A group file is taken back when FUSE's release arrives, which follows close(2) by a moment: an
+  open finding the group taken waits up to 0.2 s for that before it answers EBUSY.
+- Writes to one control file wait for each other: FUSE holds the file's inode lock through a
+  write (libfuse 3.14 cannot offer FOPEN_PARALLEL_DIRECT_WRITES, and an O_TRUNC open takes the
+  lock exclusively anyway). So while an unbind of a held device blocks in `drivers/nvidia/unbind`,
+  a second write to that same file waits too (on Linux it would go ahead); other control files,
+  other drivers' and every device's `driver_override`, are not held up.
+- `new_id`, `remove`, `rescan`, `reset` and the rest are plain files without effect.
+- A FakeHost that changes links itself (`bind`, `add_device`, `remove_device`) does not take
+  device locks; `stop` fails the writes still blocked with EIO.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import errno
+import functools
+import itertools
 import logging
 import os
-import select
 import signal
-import struct
+import stat
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from e2e.fakesysfs import FakeHost
+from e2e.fakesysfs import FakeHost, bind_mount, detach_mounts
 
 log = logging.getLogger(__name__)
 
-IN_CLOSE_WRITE = 0x008
-IN_CREATE = 0x100
-IN_Q_OVERFLOW = 0x4000
-IN_IGNORED = 0x8000
-IN_ONLYDIR = 0x01000000
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
-_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then the name, NUL-padded
+PAGE_SIZE = 4096
+# Drivers that manage DMA themselves (driver_managed_dma): a member on one of them, or on none,
+# leaves its IOMMU group viable for VFIO.
+DMA_SAFE_DRIVERS = ("vfio-pci", "pci-stub", "pcieport")
+VFIO_GROUP_SET_CONTAINER = 0x3B68  # _IO(VFIO_TYPE ';', VFIO_BASE 100 + 4)
+GROUP_RELEASE_GRACE = 0.2  # s an open waits for the release of a group that was just closed
+HOLDER_POLL = 0.005  # s between looks at whether a holder let go
 
-_libc = ctypes.CDLL(None, use_errno=True)
+HOW_TO_RUN = (
+    "run the tests through make (`make unit`, `make integration`, `make test`), or as "
+    "`unshare --mount --propagation private .venv/bin/python -m pytest ...`"
+)
+
+
+class KernelUnavailable(RuntimeError):
+    """The simulated kernel cannot run here; the message says why and what to run instead."""
+
+
+# --- Where mounting is allowed ----------------------------------------------------------------
+
+
+def mount_namespace_problem(path: Path) -> str | None:
+    """Why mounting below `path` could reach the host's mounts; None inside a private mount
+    namespace that this run made (not the one of pid 1 or of an ancestor process, and `path` on a
+    mount that propagates nowhere)."""
+    try:
+        own = os.readlink("/proc/self/ns/mnt")
+    except OSError as e:
+        return f"this process's mount namespace cannot be read ({e.strerror})"
+    if not _namespace_of_our_own(own):
+        return f"this process shares its mount namespace ({own}) with the processes that started it"
+    point, shared = _mount_of(Path(os.path.realpath(path)))
+    if shared:
+        return f"{path} lies on {point}, a shared mount: mounts below it would propagate out of this namespace"
+    return None
+
+
+def _namespace_of_our_own(own: str) -> bool:
+    """Whether pid 1 (else the nearest ancestor whose namespace can be read) is in another one."""
+    with contextlib.suppress(OSError):
+        return os.readlink("/proc/1/ns/mnt") != own
+    pid = os.getppid()
+    while pid > 1:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/mnt") != own:
+                return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _mount_of(path: Path) -> tuple[str, bool]:
+    """The mount point holding `path`, and whether that mount is shared (propagates)."""
+    best, shared = "/", False
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split(" - ", 1)[0].split()
+            point = fields[4].encode().decode("unicode_escape")
+            if _under(path, Path(point)) and len(point) >= len(best):
+                best, shared = point, any(tag.startswith("shared:") for tag in fields[6:])
+    return best, shared
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+# --- libfuse3 through mfusepy -----------------------------------------------------------------
+
+_serving = threading.local()  # what the thread that runs a FUSE loop is serving
+_fuse_lock = threading.Lock()
+_fuse = None  # the mfusepy module, once loaded and wired to `_serve`
+
+
+def _load_fuse():  # -> the mfusepy module
+    global _fuse
+    with _fuse_lock:
+        if _fuse is not None:
+            return _fuse
+        os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")  # not libfuse 2, where both are installed
+        try:
+            import mfusepy
+        except (ImportError, OSError) as e:
+            raise KernelUnavailable(
+                f"the simulated kernel needs mfusepy and libfuse3 ({e}): `make venv` installs both "
+                "(Debian's libfuse3-3, the project's test extras)"
+            ) from None
+        if mfusepy.fuse_version_major != 3:
+            raise KernelUnavailable(f"mfusepy loaded libfuse {mfusepy.fuse_version_major}, not libfuse3")
+        lib = mfusepy._libfuse
+        lib.fuse_new_31.restype = ctypes.c_void_p
+        lib.fuse_new_31.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.fuse_mount.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.fuse_unmount.argtypes = [ctypes.c_void_p]
+        lib.fuse_loop_cfg_create.restype = ctypes.c_void_p
+        lib.fuse_loop_cfg_set_max_threads.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        lib.fuse_loop_cfg_set_idle_threads.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        lib.fuse_loop_cfg_destroy.argtypes = [ctypes.c_void_p]
+        lib.fuse_loop_mt_312.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.fuse_destroy.argtypes = [ctypes.c_void_p]
+        # mfusepy's FUSE builds the operations table and calls fuse_main_real, which installs
+        # process-wide signal handlers (SIGTERM would unmount instead of ending pytest) and caps
+        # the loop at 10 threads (blocked writes would starve every other request). The table is
+        # served here instead, by the same calls without those two.
+        mfusepy.fuse_main_real = _serve
+        _fuse = mfusepy
+        return mfusepy
+
+
+class _FuseArgs(ctypes.Structure):
+    _fields_ = [("argc", ctypes.c_int), ("argv", ctypes.POINTER(ctypes.c_char_p)), ("allocated", ctypes.c_int)]
+
+
+def _serve(argc: int, argv: object, operations: object, size: int, user_data: object) -> int:
+    """mfusepy's fuse_main_real, less the signal handlers and the cap of 10 threads."""
+    lib = _fuse._libfuse
+    job = _serving.job
+    args = [b"fakekernel", b"-o", b"fsname=fakekernel,subtype=fakekernel"]
+    fuse_args = _FuseArgs(len(args), (ctypes.c_char_p * len(args))(*args), 0)
+    fuse = lib.fuse_new_31(ctypes.addressof(fuse_args), ctypes.cast(operations, ctypes.c_void_p), size, None)
+    if not fuse:
+        job["error"] = "libfuse refused the filesystem (fuse_new)"
+        return 1
+    try:
+        if lib.fuse_mount(fuse, os.fsencode(job["mountpoint"])) != 0:
+            job["error"] = f"mounting FUSE on {job['mountpoint']} failed (is /dev/fuse there?)"
+            return 1
+        job["ready"].set()
+        config = lib.fuse_loop_cfg_create()
+        lib.fuse_loop_cfg_set_max_threads(config, 256)
+        lib.fuse_loop_cfg_set_idle_threads(config, 4)
+        result = lib.fuse_loop_mt_312(fuse, config)
+        lib.fuse_loop_cfg_destroy(config)
+        lib.fuse_unmount(fuse)
+        return result
+    finally:
+        lib.fuse_destroy(fuse)
+
+
+# --- The kernel -------------------------------------------------------------------------------
 
 
 class FakeKernel:
-    """Makes a FakeHost's tree answer the bind sequence; `start`/`stop` or a `with` block."""
+    """Makes a FakeHost's control files answer as the kernel's do; `start`/`stop` or a `with` block."""
 
     def __init__(self, host: FakeHost | Path | str) -> None:
         self.host = host if isinstance(host, FakeHost) else FakeHost.existing(Path(host))
-        self.pci = self.host.sysfs / "bus" / "pci"
-        self.errors: list[str] = []  # what went wrong while reacting (also logged)
-        self._fd = -1
-        self._watches: dict[int, tuple[str, Path]] = {}  # wd -> (kind, path)
-        self._stop_r = self._stop_w = -1
+        self.errors: list[str] = []  # what went wrong in the simulation itself (also logged)
+        self._kernel: FakeHost | None = None  # the same host, its dev/ reached under our mount
+        self._dev_fd = -1
         self._thread: threading.Thread | None = None
-        self._synced = threading.Condition()
-        self._sync_lock = threading.Lock()  # one sync at a time: the file holds one token
-        self._sync_sent = self._sync_seen = 0
+        self._stopping = threading.Event()
+        self._locks: dict[str, threading.Lock] = {}  # address -> its device lock
+        self._locks_lock = threading.Lock()
+        self._groups = threading.Condition()
+        self._open_groups: set[int] = set()
+        self._files: dict[int, tuple[str, object]] = {}  # FUSE file handle -> (kind, what)
+        self._fhs = itertools.count(1)
+
+    @staticmethod
+    def unavailable(path: Path) -> str | None:
+        """Why a simulated kernel could not run over a fixture under `path`, or None."""
+        problem = mount_namespace_problem(path)
+        if problem:
+            return f"the simulated kernel mounts FUSE files over the fixture, never in the host's mount namespace: {problem}; {HOW_TO_RUN}"
+        try:
+            _load_fuse()
+        except KernelUnavailable as e:
+            return str(e)
+        return None
 
     def start(self) -> FakeKernel:
-        """Watch the tree and catch up on writes made before; returns once watching."""
-        self._fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if self._fd < 0:
-            raise OSError(ctypes.get_errno(), f"inotify_init1: {os.strerror(ctypes.get_errno())}")
-        self._stop_r, self._stop_w = os.pipe()
-        self._watch_all()
-        self._thread = threading.Thread(target=self._run, name="fakekernel", daemon=True)
+        """Mount the filesystem and put its files over the control files; returns once they answer."""
+        problem = self.unavailable(self.host.root)
+        if problem:
+            raise KernelUnavailable(problem)
+        fuse = _load_fuse()
+        if self.host.kernel_running():
+            raise KernelUnavailable(f"a simulated kernel already serves {self.host.root}")
+        detach_mounts(self.host.root)  # what a kernel that was killed left behind
+        self.host.kernel_mount.mkdir(parents=True, exist_ok=True)
+        self._dev_fd = os.open(self.host.dev, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._kernel = FakeHost.existing(self.host.root)
+        self._kernel.dev = Path(f"/proc/self/fd/{self._dev_fd}")  # under the mount over dev/
+        self._stopping.clear()
+        job = {"mountpoint": self.host.kernel_mount, "ready": threading.Event(), "error": None}
+
+        def serve() -> None:
+            _serving.job = job
+            try:
+                fuse.FUSE(_Filesystem(self), str(self.host.kernel_mount), foreground=True)
+            except BaseException as e:  # noqa: BLE001 - the loop's end, reported to start or stop
+                job["error"] = job["error"] or f"the FUSE loop failed: {e!r}"
+            finally:
+                job["ready"].set()
+
+        self._thread = threading.Thread(target=serve, name=f"fakekernel {self.host.root}", daemon=True)
         self._thread.start()
+        if not job["ready"].wait(30) or job["error"]:
+            self._thread = None
+            os.close(self._dev_fd)
+            raise KernelUnavailable(job["error"] or "the FUSE filesystem did not come up within 30 s")
+        try:
+            self._mount_all()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
-    def sync(self, timeout: float = 5.0) -> None:
-        """Return once every write made before this call has had its effect.
+    def _mount_all(self) -> None:
+        host, source = self.host, self.host.kernel_mount
+        pci = host.sysfs / "bus" / "pci"
+        bind_mount(source / "dev", host.dev)
+        bind_mount(source / "sysfs" / "drivers_probe", pci / "drivers_probe")
+        for driver in sorted(os.listdir(pci / "drivers")):
+            for name in ("bind", "unbind"):
+                if (pci / "drivers" / driver / name).is_file():
+                    bind_mount(source / "sysfs" / "drivers" / driver / name, pci / "drivers" / driver / name)
+        for address in sorted(os.listdir(pci / "devices")):
+            override = pci / "devices" / address / "driver_override"
+            backing = host.state / "override" / address
+            if not override.is_file():
+                continue  # a fixture that broke it on purpose (a folder: writes refused)
+            if not backing.exists():  # a tree from before the kernel's copy existed
+                backing.parent.mkdir(parents=True, exist_ok=True)
+                os.link(override, backing)
+            bind_mount(source / "sysfs" / "devices" / address, override)
 
-        The kernel's effects are there when write(2) returns; ours a moment later: a test
-        that looks at the tree right after a write the writer did not wait for calls this.
-        """
-        with self._sync_lock:
-            self._sync_sent += 1
-            token = self._sync_sent
-            (self.host.state / "sync").write_text(str(token))  # queued behind every earlier event
-            with self._synced:
-                if not self._synced.wait_for(lambda: self._sync_seen >= token, timeout):
-                    raise TimeoutError(f"the fake kernel did not catch up within {timeout} s")
+    def sync(self, timeout: float = 5.0) -> None:
+        """Nothing to wait for: every write has had its effect when it returns, and a FakeHost
+        mounts the control files of what it adds itself. Kept for the callers of old."""
 
     def stop(self) -> None:
         if self._thread is None:
             return
-        os.write(self._stop_w, b"x")
-        self._thread.join()
+        self._stopping.set()  # writes still blocked fail (EIO), so nothing keeps the mount busy
+        with self._groups:
+            self._groups.notify_all()
+        for folder in (self.host.sysfs, self.host.dev, self.host.kernel_mount):
+            detach_mounts(folder)
+        self._thread.join(10)
+        if self._thread.is_alive():  # a file of ours still open somewhere: the loop ends with it
+            self._error(f"the FUSE loop for {self.host.root} outlived its unmount (a file left open?)")
         self._thread = None
-        for fd in (self._fd, self._stop_r, self._stop_w):
-            os.close(fd)
-        self._watches.clear()
+        os.close(self._dev_fd)
+        self._dev_fd = -1
 
     def __enter__(self) -> FakeKernel:
         return self.start()
@@ -112,146 +333,410 @@ class FakeKernel:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # --- Watching -----------------------------------------------------------------------
+    def _error(self, message: str) -> None:
+        self.errors.append(message)
+        log.warning("fake kernel: %s", message)
 
-    def _watch(self, kind: str, path: Path, mask: int) -> bool:
-        wd = _libc.inotify_add_watch(self._fd, os.fsencode(path), mask | IN_ONLYDIR)
-        if wd < 0:
-            return False  # gone meanwhile
-        self._watches[wd] = (kind, path)
-        return True
+    # --- The device model (runs in FUSE's threads; `_kernel` reaches dev/ past our mount) ---
 
-    def _watch_all(self) -> None:
-        """Every watch, each followed by a catch-up on what was written before it existed."""
-        self._watch("pci", self.pci, IN_CLOSE_WRITE)
-        self._watch("devices", self.pci / "devices", IN_CREATE)
-        self._watch("drivers", self.pci / "drivers", IN_CREATE)
-        self._watch("state", self.host.state, IN_CLOSE_WRITE)
-        for name in sorted(os.listdir(self.pci / "drivers")):
-            self._watch_driver(name)
-        for address in sorted(os.listdir(self.pci / "devices")):
-            self._watch_device(address)
-        self._react("pci", self.pci, "drivers_probe")
-
-    def _watch_driver(self, name: str) -> None:
-        path = self.pci / "drivers" / name
-        if self._watch("driver", path, IN_CLOSE_WRITE):
-            for control in ("unbind", "bind"):
-                self._react("driver", path, control)
-
-    def _watch_device(self, address: str) -> None:
-        path = Path(os.path.realpath(self.pci / "devices" / address))
-        if self._watch("device", path, IN_CLOSE_WRITE):
-            self._react("device", path, "driver_override")
-
-    def _run(self) -> None:
-        while True:
-            ready, _, _ = select.select([self._fd, self._stop_r], [], [])
-            if self._stop_r in ready:
-                return
-            try:
-                data = os.read(self._fd, 1 << 16)
-            except BlockingIOError:
-                continue
-            offset = 0
-            while offset < len(data):
-                wd, mask, _, length = _EVENT.unpack_from(data, offset)
-                name = data[offset + _EVENT.size : offset + _EVENT.size + length].rstrip(b"\0").decode()
-                offset += _EVENT.size + length
-                try:
-                    self._event(wd, mask, name)
-                except Exception as e:  # a fixture changed under us (a device removed): note it, go on
-                    self.errors.append(f"{name}: {e!r}")
-                    log.warning("fake kernel: reacting to %s failed: %r", name, e)
-
-    def _event(self, wd: int, mask: int, name: str) -> None:
-        if mask & IN_Q_OVERFLOW:
-            self._watch_all()
-            return
-        if mask & IN_IGNORED:
-            self._watches.pop(wd, None)
-            return
-        if wd not in self._watches:
-            return
-        kind, path = self._watches[wd]
-        if mask & IN_CREATE:
-            (self._watch_driver if kind == "drivers" else self._watch_device)(name)
-        elif mask & IN_CLOSE_WRITE and kind == "state":
-            if name == "sync":
-                with self._synced:
-                    self._sync_seen = max(self._sync_seen, int((path / name).read_text() or 0))
-                    self._synced.notify_all()
-        elif mask & IN_CLOSE_WRITE:
-            self._react(kind, path, name)
-
-    # --- Reacting -----------------------------------------------------------------------
-
-    def _react(self, kind: str, folder: Path, name: str) -> None:
-        if kind == "device" and name == "driver_override":
-            self._override_written(folder / name)
-        elif kind == "driver" and name in ("bind", "unbind"):
-            address = _consume(folder / name)
-            if address:
-                (self._unbind if name == "unbind" else self._bind)(folder.name, address)
-        elif kind == "pci" and name == "drivers_probe":
-            address = _consume(folder / name)
-            if address:
-                self._probe(address)
-
-    def _override_written(self, path: Path) -> None:
-        # Only a blank write changes what the file holds: rewriting anything else would race
-        # the next write for nothing (and our own write would come back as an event).
+    @contextlib.contextmanager
+    def _device_lock(self, address: str) -> Iterator[None]:
+        with self._locks_lock:
+            lock = self._locks.setdefault(address, threading.Lock())
+        while not lock.acquire(timeout=0.05):
+            if self._stopping.is_set():
+                raise OSError(errno.EIO, "the simulated kernel stopped")
         try:
-            text = path.read_text()
-        except OSError:
-            return
-        if not text.strip():
-            path.write_text("(null)\n")
+            yield
+        finally:
+            lock.release()
 
-    def _exists(self, address: str) -> bool:
-        return (self.pci / "devices" / address).exists()
+    def _sleep(self, seconds: float) -> None:
+        if seconds > 0 and self._stopping.wait(seconds):
+            raise OSError(errno.EIO, "the simulated kernel stopped")
+
+    def _device(self, data: bytes) -> str | None:
+        """The device a control file was given (compared as sysfs_streq does), if it exists."""
+        name = data[:-1] if data.endswith(b"\n") else data
+        try:
+            address = name.decode()
+        except UnicodeDecodeError:
+            return None
+        if not address or "/" in address or address in (".", ".."):
+            return None
+        return address if os.path.lexists(self.host.sysfs / "bus" / "pci" / "devices" / address) else None
+
+    def _override_file(self, address: str) -> Path:
+        return self.host.state / "override" / address
 
     def _override(self, address: str) -> str:
+        """The device's driver_override, "" when unset (read without the device lock, as
+        pci_match_device reads it)."""
         try:
-            value = (self.pci / "devices" / address / "driver_override").read_text().strip()
+            value = self._override_file(address).read_text().strip()
         except OSError:
             return ""
         return "" if value == "(null)" else value
 
-    def _unbind(self, driver: str, address: str) -> None:
-        if not self._exists(address) or self.host.driver(address) != driver or self.host.is_busy(address):
+    def read_override(self, address: str) -> bytes:
+        with self._device_lock(address):
+            try:
+                return self._override_file(address).read_bytes()
+            except FileNotFoundError:
+                raise OSError(errno.ENODEV, "no such device") from None
+
+    def write_override(self, address: str, data: bytes) -> None:
+        if len(data) >= PAGE_SIZE - 1:
+            raise OSError(errno.EINVAL, "driver_override too long")
+        value = data.split(b"\0", 1)[0]  # strlen: Python's print() may send a NUL or two
+        value = value.split(b"\n", 1)[0] if value else value
+        with self._device_lock(address):
+            self._override_file(address).write_bytes(value + b"\n" if value else b"(null)\n")
+
+    def unbind(self, driver: str, data: bytes) -> None:
+        address = self._device(data)
+        if address is None or self._kernel.driver(address) != driver:
+            raise OSError(errno.ENODEV, "not bound to this driver")
+        with self._device_lock(address):
+            if self._kernel.driver(address):  # another unbind may have finished while we waited
+                self._wait_for_holders(address)
+                if self._kernel.is_fragile(address):
+                    self._kernel.remove_device(address)
+                elif self._device(data):
+                    self._kernel.bind(address, None)
+
+    def _wait_for_holders(self, address: str) -> None:
+        """The driver's remove: wait until nothing holds the device (its holder may let go by
+        itself once asked, after `lets_go_after` seconds)."""
+        held = self.host.state / "held" / address
+        asked = time.monotonic()
+        while True:
+            try:
+                text = held.read_text().strip()
+            except FileNotFoundError:
+                return
+            if text and time.monotonic() - asked >= float(text):
+                held.unlink(missing_ok=True)
+                return
+            self._sleep(HOLDER_POLL)
+
+    def bind(self, driver: str, data: bytes) -> None:
+        address = self._device(data)
+        override = self._override(address) if address else ""
+        default = self._kernel.default_driver(address) if address else None
+        if address is None or (override or default) != driver:
+            raise OSError(errno.ENODEV, "the driver does not match the device")
+        with self._device_lock(address):
+            if self._kernel.driver(address):
+                raise OSError(errno.EBUSY, "the device has a driver")
+            failed = self._probe(driver, address)
+            if failed:
+                raise OSError(failed, os.strerror(failed))
+
+    def drivers_probe(self, data: bytes) -> None:
+        address = self._device(data)
+        if address is None:
+            raise OSError(errno.ENODEV, "no such device")
+        if self._kernel.driver(address):
             return
-        if self.host.is_fragile(address):
-            self.host.remove_device(address)
+        with self._device_lock(address):
+            if self._kernel.driver(address):
+                return
+            driver = self._override(address) or self._kernel.default_driver(address)
+            if driver and (self.host.sysfs / "bus" / "pci" / "drivers" / driver).is_dir():
+                self._probe(driver, address)  # a failed probe leaves the device without a driver
+
+    def _probe(self, driver: str, address: str) -> int:
+        """The driver's probe: 0 once it took the device, else its errno."""
+        self._sleep(self._kernel.probe_time(address))
+        if driver == "vfio-pci" and self._kernel.iommu_group(address) is None:
+            return errno.EINVAL  # vfio_group_find_or_alloc: no IOMMU group
+        self._kernel.bind(address, driver)
+        return 0
+
+    def viable(self, group: int) -> bool:
+        """VFIO's rule: every member on a driver that manages DMA itself, or on none."""
+        members = self.host.sysfs / "kernel" / "iommu_groups" / str(group) / "devices"
+        return all(self._kernel.driver(a) in (*DMA_SAFE_DRIVERS, "") for a in os.listdir(members))
+
+    def open_group(self, group: int) -> None:
+        with self._groups:
+            if not self._groups.wait_for(lambda: group not in self._open_groups, GROUP_RELEASE_GRACE):
+                raise OSError(errno.EBUSY, f"group {group} is open")
+            self._open_groups.add(group)
+
+    def close_group(self, group: int) -> None:
+        with self._groups:
+            self._open_groups.discard(group)
+            self._groups.notify_all()
+
+
+def _operation(method):  # noqa: ANN001, ANN202 - a FUSE operation: errors become errnos
+    @functools.wraps(method)
+    def wrapped(self: _Filesystem, *args: object) -> object:
+        try:
+            return method(self, *args)
+        except _fuse.FuseOSError:
+            raise
+        except OSError as e:
+            raise _fuse.FuseOSError(e.errno or errno.EIO) from None
+        except Exception as e:
+            self.kernel._error(f"{method.__name__}{args[:2]!r}: {e!r}")
+            raise _fuse.FuseOSError(errno.EIO) from None
+
+    return wrapped
+
+
+class _Filesystem:
+    """The FUSE tree: `sysfs/devices/<address>` (a driver_override), `sysfs/drivers/<driver>/bind`
+    and `unbind`, `sysfs/drivers_probe`, and `dev/`, passed through to the fixture's dev/ folder
+    except for the group nodes in `dev/vfio/`."""
+
+    use_ns = True
+
+    def __init__(self, kernel: FakeKernel) -> None:
+        self.kernel = kernel
+        self.host = kernel.host
+        self.started = time.time_ns()
+
+    def init_with_config(self, conn_info: object, config: object) -> None:
+        # No caching in the kernel: dev/ changes under it (the kernel's own binds write it directly).
+        config.entry_timeout = config.attr_timeout = config.negative_timeout = 0.0
+        config.direct_io = 1  # every read and write reaches us, as sysfs stores and shows do
+
+    # --- Routing ----------------------------------------------------------------------------
+
+    def _route(self, path: str) -> tuple[str, str]:
+        """(kind, detail): dir, override (address), bind/unbind (driver), drivers_probe, group
+        (number), dev (a path relative to dev/, "" for dev/ itself)."""
+        parts = path.strip("/").split("/") if path.strip("/") else []
+        if not parts:
+            return "dir", ""
+        if parts[0] == "dev":
+            rel = "/".join(parts[1:])
+            if len(parts) == 3 and parts[1] == "vfio" and parts[2].isdigit():
+                return "group", parts[2]
+            return "dev", rel
+        if parts[0] != "sysfs":
+            raise OSError(errno.ENOENT, path)
+        pci = self.host.sysfs / "bus" / "pci"
+        rest = parts[1:]
+        if not rest or rest in (["devices"], ["drivers"]):
+            return "dir", ""
+        if rest == ["drivers_probe"]:
+            return "drivers_probe", ""
+        if len(rest) == 2 and rest[0] == "devices" and self.kernel._override_file(rest[1]).exists():
+            return "override", rest[1]
+        if rest[0] == "drivers" and (pci / "drivers" / rest[1]).is_dir():
+            if len(rest) == 2:
+                return "dir", ""
+            if len(rest) == 3 and rest[2] in ("bind", "unbind"):
+                return rest[2], rest[1]
+        raise OSError(errno.ENOENT, path)
+
+    def _dev(self, rel: str) -> tuple[str, int | None]:
+        """A path for the *at calls under dev/ (behind our own mount), and the folder's fd."""
+        return (rel or "."), self.kernel._dev_fd
+
+    def _fh(self, kind: str, what: object) -> int:
+        fh = next(self.kernel._fhs)
+        self.kernel._files[fh] = (kind, what)
+        return fh
+
+    # --- Attributes and folders ----------------------------------------------------------------
+
+    @_operation
+    def getattr(self, path: str, fh: int | None = None) -> dict:
+        kind, detail = self._route(path)
+        if kind in ("dev", "group"):
+            rel, fd = self._dev(f"vfio/{detail}" if kind == "group" else detail)
+            st = os.stat(rel, dir_fd=fd, follow_symlinks=False)
+            attrs = {k: getattr(st, k) for k in ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size")}
+            attrs.update(st_atime=st.st_atime_ns, st_mtime=st.st_mtime_ns, st_ctime=st.st_ctime_ns)
+            if kind == "group":
+                attrs["st_mode"] = stat.S_IFREG | 0o600  # a character device on a real host, mode 0600
+            return attrs
+        if kind == "dir":
+            mode = stat.S_IFDIR | 0o755
+        else:  # sysfs attributes: a page each; the control files are write-only
+            mode = stat.S_IFREG | (0o644 if kind == "override" else 0o200)
+        return {"st_mode": mode, "st_nlink": 2 if kind == "dir" else 1, "st_size": 0 if kind == "dir" else PAGE_SIZE,
+                "st_atime": self.started, "st_mtime": self.started, "st_ctime": self.started}  # fmt: skip
+
+    @_operation
+    def readdir(self, path: str, fh: int) -> list[str]:
+        kind, detail = self._route(path)
+        if kind == "dev":
+            rel, fd = self._dev(detail)
+            return [".", "..", *os.listdir(os.path.join(f"/proc/self/fd/{fd}", rel))]
+        parts = path.strip("/").split("/")
+        pci = self.host.sysfs / "bus" / "pci"
+        if parts == [""]:
+            names = ["sysfs", "dev"]
+        elif parts == ["sysfs"]:
+            names = ["devices", "drivers", "drivers_probe"]
+        elif parts == ["sysfs", "devices"]:
+            names = os.listdir(self.host.state / "override")
+        elif parts == ["sysfs", "drivers"]:
+            names = os.listdir(pci / "drivers")
         else:
-            self.host.bind(address, None)
+            names = ["bind", "unbind"]
+        return [".", "..", *names]
 
-    def _bind(self, driver: str, address: str) -> None:
-        if self._exists(address) and not self.host.driver(address) and self._override(address) in ("", driver):
-            self._take(driver, address)
+    @_operation
+    def readlink(self, path: str) -> str:
+        kind, detail = self._route(path)
+        if kind != "dev":
+            raise OSError(errno.EINVAL, path)
+        rel, fd = self._dev(detail)
+        return os.readlink(rel, dir_fd=fd)
 
-    def _probe(self, address: str) -> None:
-        if not self._exists(address) or self.host.driver(address):
-            return
-        driver = self._override(address) or self.host.default_driver(address)
-        if driver and (self.pci / "drivers" / driver).is_dir():
-            self._take(driver, address)
+    # --- Files ------------------------------------------------------------------------------
 
-    def _take(self, driver: str, address: str) -> None:
-        if driver == "vfio-pci" and self.host.iommu_group(address) is None:
-            return  # vfio-pci's probe fails: no IOMMU group
-        self.host.bind(address, driver)
+    @_operation
+    def open(self, path: str, flags: int) -> int:
+        kind, detail = self._route(path)
+        reading = flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
+        if kind in ("bind", "unbind", "drivers_probe") and reading:
+            raise OSError(errno.EACCES, "write-only")  # kernfs: no show, no read
+        if kind == "group":
+            if not os.path.exists(self.kernel._kernel.vfio_node(int(detail))):
+                raise OSError(errno.ENOENT, path)
+            self.kernel.open_group(int(detail))
+            return self._fh("group", int(detail))
+        if kind == "dev":
+            rel, fd = self._dev(detail)
+            return self._fh("dev", os.open(rel, flags & ~(os.O_CREAT | os.O_EXCL), dir_fd=fd))
+        if kind == "dir":
+            raise OSError(errno.EISDIR, path)
+        return self._fh(kind, detail)
+
+    @_operation
+    def create(self, path: str, mode: int, flags: int) -> int:
+        kind, detail = self._route(os.path.dirname(path))
+        if kind != "dev":
+            raise OSError(errno.EACCES, path)
+        rel, fd = self._dev(os.path.join(detail, os.path.basename(path)))
+        return self._fh("dev", os.open(rel, flags | os.O_CREAT, mode, dir_fd=fd))
+
+    @_operation
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        kind, what = self.kernel._files[fh]
+        if kind == "override":
+            return self.kernel.read_override(what)[offset : offset + size]
+        if kind == "dev":
+            return os.pread(what, size, offset)
+        raise OSError(errno.EINVAL, path)  # a group file has no read
+
+    @_operation
+    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+        kind, what = self.kernel._files[fh]
+        if kind == "dev":
+            return os.pwrite(what, data, offset)
+        if kind == "override":
+            self.kernel.write_override(what, data)
+        elif kind == "bind":
+            self.kernel.bind(what, data)
+        elif kind == "unbind":
+            self.kernel.unbind(what, data)
+        elif kind == "drivers_probe":
+            self.kernel.drivers_probe(data)
+        else:
+            raise OSError(errno.EINVAL, path)
+        return len(data)
+
+    @_operation
+    def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+        kind, detail = self._route(path)
+        if kind == "dev":  # sysfs ignores O_TRUNC; passed-through files truncate
+            rel, fd = self._dev(detail)
+            with contextlib.closing(_Fd(os.open(rel, os.O_WRONLY, dir_fd=fd))) as f:
+                os.ftruncate(f.fd, length)
+        return 0
+
+    @_operation
+    def release(self, path: str, fh: int) -> int:
+        kind, what = self.kernel._files.pop(fh, ("", None))
+        if kind == "dev":
+            os.close(what)
+        elif kind == "group":
+            self.kernel.close_group(what)
+        return 0
+
+    @_operation
+    def ioctl(self, path: str, cmd: int, arg: object, fh: int, flags: int, data: object) -> int:
+        kind, what = self.kernel._files.get(fh, ("", None))
+        if kind == "group" and cmd & 0xFFFFFFFF == VFIO_GROUP_SET_CONTAINER:
+            if not self.kernel.viable(what):
+                raise OSError(errno.EPERM, f"group {what} is not viable")
+            return 0
+        raise OSError(errno.ENOTTY, path)
+
+    # --- Changes under dev/ (a FakeHost in a test keeps its group nodes there) -----------------
+
+    def _dev_only(self, path: str) -> tuple[str, int | None]:
+        kind, detail = self._route(os.path.dirname(path))
+        if kind != "dev":
+            raise OSError(errno.EPERM, path)
+        return self._dev(os.path.join(detail, os.path.basename(path)))
+
+    def _in_dev(self, call, path: str, *args: object) -> int:  # noqa: ANN001 - an os function taking dir_fd
+        rel, fd = self._dev_only(path)
+        call(rel, *args, dir_fd=fd)
+        return 0
+
+    @_operation
+    def mkdir(self, path: str, mode: int) -> int:
+        return self._in_dev(os.mkdir, path, mode)
+
+    @_operation
+    def rmdir(self, path: str) -> int:
+        return self._in_dev(os.rmdir, path)
+
+    @_operation
+    def unlink(self, path: str) -> int:
+        return self._in_dev(os.unlink, path)
+
+    @_operation
+    def symlink(self, target: str, source: str) -> int:
+        rel, fd = self._dev_only(target)
+        os.symlink(source, rel, dir_fd=fd)
+        return 0
+
+    @_operation
+    def rename(self, old: str, new: str) -> int:
+        old_rel, fd = self._dev_only(old)
+        new_rel, _ = self._dev_only(new)
+        os.rename(old_rel, new_rel, src_dir_fd=fd, dst_dir_fd=fd)
+        return 0
+
+    @_operation
+    def chmod(self, path: str, mode: int) -> int:
+        kind, detail = self._route(path)
+        if kind == "dev":
+            rel, fd = self._dev(detail)
+            os.chmod(rel, mode, dir_fd=fd)
+        return 0
+
+    @_operation
+    def chown(self, path: str, uid: int, gid: int) -> int:
+        return 0
+
+    @_operation
+    def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+        kind, detail = self._route(path)
+        if kind in ("dev", "group"):
+            rel, fd = self._dev(f"vfio/{detail}" if kind == "group" else detail)
+            os.utime(rel, ns=times, dir_fd=fd) if times else os.utime(rel, dir_fd=fd)
+        return 0
 
 
-def _consume(path: Path) -> str:
-    """What was written to a control file, which is then emptied (truncate: no close event)."""
-    try:
-        text = path.read_text().strip()
-        if text:
-            os.truncate(path, 0)
-    except OSError:
-        return ""
-    return text
+class _Fd:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -262,10 +747,17 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with FakeKernel(args.root):
+    try:
+        kernel = FakeKernel(args.root).start()
+    except KernelUnavailable as e:
+        print(f"fakekernel: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
         print(f"fakekernel: answering sysfs writes under {args.root}", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             pass
+    finally:
+        kernel.stop()
 
 
 if __name__ == "__main__":

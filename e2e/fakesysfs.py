@@ -11,16 +11,25 @@ So code that reads the fixture reads a real host the same way.
 
 Next to them, `dev/vfio/` holds a node per IOMMU group while a member is on vfio-pci (and
 `vfio` while vfio-pci is loaded), and `fakehost/` what the kernel knows beyond sysfs: each
-device's default driver (its driver's ID table matches it) and the devices something holds
-open. `e2e.fakekernel` reads both to answer the bind sequence's writes.
+device's default driver (its driver's ID table matches it), the devices something holds (a VMM,
+a CUDA process), the devices that fall off the bus when unbound or probe slowly, and a second
+name (hard link) of each `driver_override`. `e2e.fakekernel` reads them to answer the bind
+sequence as the kernel does.
+
+While a simulated kernel runs (`e2e.fakekernel`), the control files are mount points of its FUSE
+filesystem; a FakeHost in any process of the same mount namespace mounts the control files of
+the devices and drivers it adds, and takes the mounts away with what it removes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
 from itertools import cycle
 from pathlib import Path
 
@@ -30,6 +39,8 @@ HOST_BRIDGE = ("8086", "2020", "060000")  # Sky Lake-E DMI3 Registers
 # (mountpoint, fstype, source, anonymous minor): what every host has mounted.
 _BASE_MOUNTS = (("/sys", "sysfs", "sysfs", 21), ("/proc", "proc", "proc", 22), ("/dev", "devtmpfs", "udev", 5))
 _SWAPS_HEADER = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
+# What the kernel knows of a device beyond sysfs: a folder each under fakehost/, a file per device.
+_STATE = ("default_driver", "held", "fragile", "probe_time", "override")
 
 
 class FakeHost:
@@ -41,7 +52,7 @@ class FakeHost:
                   "block", "module", "kernel/iommu_groups"):  # fmt: skip
             (self.sysfs / d).mkdir(parents=True, exist_ok=True)
         (self.sysfs / "bus" / "pci" / "drivers_probe").write_text("")
-        for d in ("default_driver", "busy", "fragile"):
+        for d in _STATE:
             (self.state / d).mkdir(parents=True, exist_ok=True)
         self.dev.mkdir(parents=True, exist_ok=True)
         if vfio:
@@ -111,8 +122,11 @@ class FakeHost:
             (path / name).write_text(f"0x{value.lower()}\n")
         (path / "numa_node").write_text(f"{numa_node}\n")
         (path / "driver_override").write_text("(null)\n")
+        # The kernel's copy of the value: the same file under a name no mount covers.
+        os.link(path / "driver_override", self.state / "override" / address)
         _link(path / "subsystem", self.sysfs / "bus" / "pci")
         _link(self.sysfs / "bus" / "pci" / "devices" / address, path)
+        self._attach(path / "driver_override", f"sysfs/devices/{address}")
         if driver:
             self.set_default_driver(address, driver)
             self.bind(address, driver)
@@ -172,6 +186,7 @@ class FakeHost:
                  self.sysfs / "block", *(self.sysfs / "bus" / "pci" / "drivers").iterdir()]  # fmt: skip
         groups = self.sysfs / "kernel" / "iommu_groups"
         links += [g / "devices" for g in groups.iterdir()]
+        detach_mounts(path)
         for folder in links:
             for entry in folder.iterdir():
                 if entry.is_symlink() and _under(Path(os.path.realpath(entry)), path):
@@ -183,7 +198,7 @@ class FakeHost:
         for gone_address, group in gone.items():
             if group is not None:
                 self._sync_vfio_node(group)
-            for state in ("default_driver", "busy", "fragile"):
+            for state in _STATE:
                 (self.state / state / gone_address).unlink(missing_ok=True)
 
     # --- What the kernel knows beyond sysfs (read by e2e.fakekernel) --------------------
@@ -196,14 +211,47 @@ class FakeHost:
     def default_driver(self, address: str) -> str | None:
         return self._read_flag("default_driver", address) or None
 
-    def set_busy(self, address: str, busy: bool = True) -> None:
-        """Something holds the device open (nvidia-persistenced, a VM on /dev/vfio/<group>):
-        its driver does not let go of it on unbind. The write is accepted and the device stays
-        bound, as a driver with users leaves it."""
-        self._flag("busy", address, "1" if busy else None)
+    def hold(
+        self, target: str, holder: str | None = None, *, name: str | None = None, lets_go_after: float | None = None
+    ) -> None:
+        """Two kinds of holding, as the kernel has two:
 
-    def is_busy(self, address: str) -> bool:
-        return bool(self._read_flag("busy", address))
+        - `hold(address)`: something uses the PCI device (`hold_device`: a VMM, a CUDA process);
+        - `hold(block_name, holder)`: a block device is built on another (`hold_block`: LVM, RAID).
+        """
+        if holder is None:
+            self.hold_device(target, lets_go_after=lets_go_after)
+        else:
+            self.hold_block(target, holder, name=name)
+
+    def hold_device(self, address: str, *, lets_go_after: float | None = None) -> None:
+        """Something holds the device: a VMM with its VFIO device open, a CUDA process or
+        nvidia-persistenced on the NVIDIA driver. Unbinding it from its driver then blocks in
+        write(2) until `release` (the driver's remove waits for its users), holding the device
+        lock meanwhile: reads and writes of its `driver_override`, a bind or a probe of it wait too.
+
+        `lets_go_after`: the holder lets go that many seconds after an unbind starts waiting, as
+        QEMU hot-unplugs the device from its guest when vfio-pci asks (about 10 s in the trial).
+        """
+        self._flag("held", address, "" if lets_go_after is None else f"{lets_go_after}")
+
+    def release(self, address: str) -> None:
+        """The holder lets go: a blocked unbind of the device completes."""
+        self._flag("held", address, None)
+
+    def is_held(self, address: str) -> bool:
+        return (self.state / "held" / address).exists()
+
+    @contextlib.contextmanager
+    def holding(self, *addresses: str) -> Iterator[None]:
+        """`hold` the devices for the block, `release` them after it (however it ends)."""
+        for address in addresses:
+            self.hold_device(address)
+        try:
+            yield
+        finally:
+            for address in addresses:
+                self.release(address)
 
     def set_fragile(self, address: str, fragile: bool = True) -> None:
         """The device falls off the bus when its driver lets go of it (a GPU whose reset fails)."""
@@ -211,6 +259,30 @@ class FakeHost:
 
     def is_fragile(self, address: str) -> bool:
         return bool(self._read_flag("fragile", address))
+
+    def set_probe_time(self, address: str, seconds: float | None) -> None:
+        """A driver's probe of the device takes `seconds` (None: no time), holding the device
+        lock meanwhile, as a GPU driver's probe does while it initialises the card."""
+        self._flag("probe_time", address, None if seconds is None else f"{seconds}")
+
+    def probe_time(self, address: str) -> float:
+        return float(self._read_flag("probe_time", address) or 0)
+
+    # --- The simulated kernel's mounts (e2e.fakekernel) ---------------------------------
+
+    @property
+    def kernel_mount(self) -> Path:
+        """Where a running simulated kernel mounts its FUSE filesystem."""
+        return self.state / "kernel"
+
+    def kernel_running(self) -> bool:
+        return os.path.ismount(self.kernel_mount)
+
+    def _attach(self, target: Path, source: str) -> None:
+        """Put the running kernel's file `source` over the control file `target` (nothing to do
+        without a kernel: the plain file is what a host without one would show)."""
+        if self.kernel_running():
+            bind_mount(self.kernel_mount / source, target)
 
     # --- What the host does with them -------------------------------------------------
 
@@ -304,7 +376,7 @@ class FakeHost:
         with (self.proc / "swaps").open("a") as f:
             f.write(f"{shown:<40}partition\t8388604\t\t0\t\t-2\n")
 
-    def hold(self, block_name: str, holder: str, *, name: str | None = None) -> None:
+    def hold_block(self, block_name: str, holder: str, *, name: str | None = None) -> None:
         """`holder` (dm-0, md0) is built on `block_name`, as LVM, RAID and dm-crypt do.
 
         A device-mapper holder gets its `dm/name` (`name`, e.g. `vg0-root`; the holder's own
@@ -338,12 +410,16 @@ class FakeHost:
         (self.device_dir(address) / name).write_text(text)
 
     def remove_attribute(self, address: str, name: str) -> None:
+        detach_mounts(self.device_dir(address) / name)
         (self.device_dir(address) / name).unlink()
+        if name == "driver_override":
+            (self.state / "override" / address).unlink(missing_ok=True)
 
     def refuse_writes(self, address: str, name: str) -> None:
         """Writes to the device's attribute `name` fail (EISDIR): it becomes a directory, since
         root ignores file modes."""
         attribute = self.device_dir(address) / name
+        detach_mounts(attribute)
         attribute.unlink(missing_ok=True)
         attribute.mkdir()
 
@@ -362,6 +438,8 @@ class FakeHost:
             path.mkdir(parents=True)
             for name in ("bind", "unbind", "new_id", "remove_id"):
                 (path / name).write_text("")
+            for name in ("bind", "unbind"):
+                self._attach(path / name, f"sysfs/drivers/{driver}/{name}")
         return path
 
     def _sync_vfio_node(self, group: int) -> None:
@@ -449,6 +527,40 @@ def _link_name(link: Path) -> str:
 
 def _under(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
+
+
+# --- Mounts (only ever inside the private mount namespace of a test run) --------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MS_BIND = 0x1000
+_MNT_DETACH = 0x2
+
+
+def bind_mount(source: Path, target: Path) -> None:
+    if _libc.mount(os.fsencode(source), os.fsencode(target), None, _MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount --bind {source} {target}: {os.strerror(err)}")
+
+
+def mounts_under(folder: Path) -> list[Path]:
+    """The mount points at or below `folder` in this mount namespace, deepest first."""
+    folder = Path(os.path.realpath(folder))
+    found = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            raw = line.split(b" ", 5)[4]  # octal escapes for space, tab, newline and backslash
+            point = Path(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), raw).decode())
+            if _under(point, folder):
+                found.append(point)
+    return sorted(set(found), key=lambda p: len(p.parts), reverse=True)
+
+
+def detach_mounts(folder: Path) -> None:
+    """Lazily unmount everything at or below `folder` (a mount point cannot be removed)."""
+    for point in mounts_under(folder):
+        if _libc.umount2(os.fsencode(point), _MNT_DETACH) != 0 and ctypes.get_errno() not in (22, 2):
+            err = ctypes.get_errno()  # EINVAL: not a mount point (any more); ENOENT: gone
+            raise OSError(err, f"umount -l {point}: {os.strerror(err)}")
 
 
 # --- Ready-made hosts -----------------------------------------------------------------
