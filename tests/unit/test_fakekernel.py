@@ -22,6 +22,8 @@ from e2e import fakekernel
 from e2e.fakekernel import VFIO_GROUP_SET_CONTAINER, FakeKernel, KernelUnavailable
 from e2e.fakesysfs import FakeHost, gpu_node, mounts_under, synthetic_host
 from passthrough.pci import sysfs
+from passthrough.pci.discovery import discover
+from passthrough.pci.pciids import PciIds
 from passthrough.pci.sysfs import SysfsWriteError
 
 GPU, AUDIO = "0000:3b:00.0", "0000:3b:00.1"
@@ -356,6 +358,15 @@ def test_stopping_unmounts_everything_and_leaves_the_tree_as_the_kernel_left_it(
     assert override(host, GPU) == "vfio-pci\n" and host.driver(GPU) == "vfio-pci" and host.vfio_node(20).exists()
 
 
+def test_a_discovery_reads_the_same_tree_through_the_kernels_mounts(tmp_path):
+    require_kernel(tmp_path)
+    host = synthetic_host(tmp_path, 40)
+    ids = PciIds.load()
+    plain = discover(host.sysfs, host.proc, ids).to_json()
+    with FakeKernel(host):
+        assert discover(host.sysfs, host.proc, ids).to_json() == plain
+
+
 def test_fake_host_keeps_dev_vfio_in_step_with_its_bindings(tmp_path):
     host = synthetic_host(tmp_path, 12)  # A10s on vfio-pci at boot, as with vfio-pci.ids=
     bound = {host.iommu_group(a) for a in os.listdir(host.sysfs / "bus/pci/devices") if host.driver(a) == "vfio-pci"}
@@ -398,11 +409,12 @@ def test_runs_as_its_own_process_until_sigterm(tmp_path):
 
 
 def test_it_refuses_to_mount_in_a_namespace_it_shares_with_the_processes_that_started_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(fakekernel.os, "readlink", lambda path: "mnt:[4026531832]")
+    kernel = FakeKernel(gpu_node(tmp_path))
+    monkeypatch.setattr(fakekernel.os, "readlink", lambda path: "mnt:[4026531832]")  # every process's
     problem = fakekernel.mount_namespace_problem(tmp_path)
     assert problem and "shares its mount namespace" in problem
     with pytest.raises(KernelUnavailable, match="unshare --mount --propagation private"):
-        FakeKernel(gpu_node(tmp_path)).start()
+        kernel.start()
 
 
 def test_it_refuses_to_mount_below_a_shared_mount(tmp_path):
