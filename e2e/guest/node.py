@@ -47,8 +47,10 @@ import os, time
 def drivers():
     found = {}
     for address in args['addresses']:
-        link = f'/sys/bus/pci/devices/{address}/driver'
-        found[address] = os.path.basename(os.readlink(link)) if os.path.islink(link) else ''
+        try:  # the link comes and goes while a driver binds or unbinds
+            found[address] = os.path.basename(os.readlink(f'/sys/bus/pci/devices/{address}/driver'))
+        except OSError:
+            found[address] = ''
     return found
 started = time.monotonic()
 deadline = started + args['limit']
