@@ -201,6 +201,50 @@ async def delete_pod(api: client.ApiClient, namespace: str, name: str, timeout: 
     await wait_for(gone, timeout, 0.05, what=f"pod {namespace}/{name} deleted")
 
 
+# -- a node with a real kubelet: what it advertises, and what its runtime was asked to create --
+
+
+async def resources(core: client.CoreV1Api, node: str, field: str = "allocatable") -> dict[str, str]:
+    """The node's extended resources (names with a /), from its `allocatable` or `capacity`."""
+    status = (await core.read_node(node)).status
+    return {k: v for k, v in (getattr(status, field) or {}).items() if "/" in k}
+
+
+async def wait_resources(core: client.CoreV1Api, node: str, expected: dict[str, str], agent: Any, field: str = "allocatable",
+                         timeout: float = 30) -> None:  # fmt: skip
+    """Until the node shows `expected` (a resource absent counts as "0"); `agent`'s log in the failure."""
+
+    async def matches():
+        got = await resources(core, node, field)
+        return all(got.get(k, "0") == v for k, v in expected.items())
+
+    with_log = f"{field} {expected} on {node}; agent log:\n{agent.output()[-3000:]}"
+    await wait_for(matches, timeout, interval=0.2, what=with_log)
+
+
+async def device_names(api: client.ApiClient, node: str) -> dict[str, str]:
+    """PCI address -> NodePCIDevice name, of the devices the node's agent reported."""
+    items = (await Custom(api, "nodepcidevices").list(f"{NODE_LABEL}={node}"))["items"]
+    # The operator's first status write (its conditions) may land before the agent's attributes.
+    return {o["status"]["attributes"]["pciAddress"]: o["metadata"]["name"] for o in items
+            if (o.get("status") or {}).get("attributes")}  # fmt: skip
+
+
+async def created(core: client.CoreV1Api, namespace: str, kubelet: Any, pod_name: str, timeout: float = 30) -> dict:
+    """The fake runtime's record of the container of pod `pod_name` (its env MARK), once created."""
+
+    async def find():
+        return next((c for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == pod_name), None)
+
+    try:
+        return await wait_for(find, timeout, interval=0.2, what=f"CreateContainer of {pod_name}")
+    except AssertionError as exc:
+        status = (await core.read_namespaced_pod(pod_name, namespace)).status
+        events = await core.list_namespaced_event(namespace)
+        said = "\n".join(f"{e.reason}: {e.message}" for e in events.items)
+        raise AssertionError(f"{exc}\npod status: {status}\nevents:\n{said}\nkubelet log:\n{kubelet.kubelet_log.read_text()[-4000:]}") from None
+
+
 async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 30, interval: float = 0.1, what: str = "") -> Any:
     """Poll an async predicate until it returns something truthy; raise with `what` on timeout."""
     deadline = time.monotonic() + timeout

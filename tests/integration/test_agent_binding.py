@@ -91,6 +91,11 @@ async def test_an_unbind_that_blocks_leaves_the_agent_reporting_and_stoppable(ap
     # hang with it nor unbind anything else of the group behind its back.
     host = fakesysfs.gpu_node(tmp_path / "host")
     host.hold("0000:3b:00.1")  # something holds the first GPU's audio function
+    # The simulated kernel serializes writes to one control file (FUSE's inode lock; Linux does
+    # not): the other group's functions start without a driver, so they need no `unbind` behind
+    # the blocked one.
+    for address in ("0000:af:00.0", "0000:af:00.1"):
+        host.bind(address, None)
     with FakeKernel(host):
         agent = AgentProcess(cluster, tmp_path / "agent.log", gpu_mode_node.name, host, PCI_IDS,
                              "--write-deadline=2s").start()  # fmt: skip

@@ -420,6 +420,7 @@ def test_the_service_accounts_may_do_nothing_more(cluster, release):
         *[(verb, "nodes") for verb in ("create", "update", "delete")],
         ("create", "events"),
         ("list", "secrets"),
+        *[(verb, "pods") for verb in ("get", "watch", "create", "patch", "delete")],  # list only: who asks at Allocate
     ]
     operator = [
         *[(verb, "nodes") for verb in ("get", "patch", "delete")],

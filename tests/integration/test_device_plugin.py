@@ -16,6 +16,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from e2e import fakesysfs, support
+from e2e.support import created, device_names, resources, wait_resources
 from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess
 from passthrough.api.labels import NODE_LABEL
@@ -44,7 +45,8 @@ def kubelet(module_kubelet_nodes, kube_scheduler):
 
 
 @pytest.fixture(scope="module")
-def agent(cluster, kubelet, gpu_host, tmp_path_factory):
+def agent(cluster, kubelet, gpu_host, tmp_path_factory, operator):
+    # The operator hands devices out (Assigned=True): the agent serves an assigned device only then.
     host, _ = gpu_host
     proc = AgentProcess(cluster, tmp_path_factory.mktemp("agent") / "agent.log", kubelet.node_name, host, PCI_IDS,
                         kubelet=kubelet).start()  # fmt: skip
@@ -63,39 +65,6 @@ def core(api):
 
 async def label(core, node: str, value: str | None) -> None:
     await core.patch_node(node, {"metadata": {"labels": {GPU_MODE: value}}})
-
-
-async def resources(core, node: str, field: str = "allocatable") -> dict[str, str]:
-    status = (await core.read_node(node)).status
-    return {k: v for k, v in (getattr(status, field) or {}).items() if "/" in k}
-
-
-async def wait_resources(core, node: str, expected: dict[str, str], agent: AgentProcess, field: str = "allocatable",
-                         timeout: float = 30) -> None:  # fmt: skip
-    async def matches():
-        got = await resources(core, node, field)
-        return all(got.get(k, "0") == v for k, v in expected.items())
-
-    with_log = f"{field} {expected} on {node}; agent log:\n{agent.output()[-3000:]}"
-    await support.wait_for(matches, timeout, interval=0.2, what=with_log)
-
-
-async def device_names(api, node: str) -> dict[str, str]:
-    items = (await Custom(api, "nodepcidevices").list(f"{NODE_LABEL}={node}"))["items"]
-    return {o["status"]["attributes"]["pciAddress"]: o["metadata"]["name"] for o in items if o.get("status")}
-
-
-async def created(core, namespace: str, kubelet, pod_name: str, timeout: float = 30) -> dict:
-    async def find():
-        return next((c for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == pod_name), None)
-
-    try:
-        return await support.wait_for(find, timeout, interval=0.2, what=f"CreateContainer of {pod_name}")
-    except AssertionError as exc:
-        status = (await core.read_namespaced_pod(pod_name, namespace)).status
-        events = await core.list_namespaced_event(namespace)
-        said = "\n".join(f"{e.reason}: {e.message}" for e in events.items)
-        raise AssertionError(f"{exc}\npod status: {status}\nevents:\n{said}\nkubelet log:\n{kubelet.kubelet_log.read_text()[-4000:]}") from None
 
 
 async def test_a_node_in_gpu_mode_binds_its_gpus_and_advertises_the_pool(api, core, kubelet, agent, gpu_host):

@@ -84,7 +84,8 @@ class Handover:
         # gRPC (10 MiB of an agent's memory) is imported by an agent that serves device plugins only.
         from passthrough.deviceplugin.manager import PluginManager
 
-        self.plugins = PluginManager(Path(plugin_dir), health=self._healthy)
+        self.plugins = PluginManager(Path(plugin_dir), health=self._healthy, admit=self._admit)
+        self.admit = None  # the agent's judge of who asks for a device (`Agent.admit`)
         self._unavailable_logged = False
 
     def _wake(self) -> None:
@@ -104,6 +105,9 @@ class Handover:
                 self.unhealthy.pop(address, None)
             self._wake()
         return not problem
+
+    async def _admit(self, resource: str, device_ids: list[str]) -> str:
+        return await self.admit(resource, device_ids) if self.admit is not None else ""
 
     def locked(self) -> frozenset[str]:
         """Devices with a write in flight: reading what takes their lock would wait with it."""

@@ -32,6 +32,7 @@ from passthrough.kube.events import EventRecorder
 from passthrough.kube.preflight import require_crds
 from passthrough.kube.watch import watch_events
 from passthrough.pci.discovery import Discovery, discover
+from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class Agent:
         self.virtual_functions = virtual_functions  # SR-IOV VFs reported too (an admin's opt-in)
         if handover is not None:
             handover.on_change = self.trigger  # a late write returned, or a served device's health flipped
+            handover.admit = self.admit
         self.events = EventRecorder(api, "passthrough-agent")
         self._bind_failures: dict[str, str] = {}  # address -> message of the last failure reported
         self._retry = 0  # consecutive scans whose bind or give-back failed
@@ -174,15 +176,24 @@ class Agent:
                     return
 
     async def _watch_node(self) -> None:
-        """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets)."""
+        """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets),
+        or its resource names change (another device plugin registered or went: one server per
+        device, so the agent looks at what the kubelet now serves)."""
         backoff = 1.0
+        served: frozenset[str] | None = None
         while True:
             try:
                 async for kind, node in watch_events(self.session, "/api/v1/nodes", fieldSelector=f"metadata.name={self.node_name}"):
+                    if kind == "BOOKMARK":
+                        continue
                     labels = (node.get("metadata") or {}).get("labels") or {}
-                    if kind != "BOOKMARK" and node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
+                    names = frozenset((node.get("status") or {}).get("capacity") or {})
+                    if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
                         self._node_labels = labels
                         self.trigger()
+                    elif self.handover is not None and served is not None and names != served:
+                        self.trigger()
+                    served = names
                 backoff = 1.0
             except asyncio.CancelledError:
                 raise
@@ -294,6 +305,31 @@ class Agent:
                 # Given back once the pod that holds it is gone; the kubelet tells no one, so ask again.
                 self._again = asyncio.get_running_loop().call_later(HELD_RECHECK, self._wake.set)
         return discovery, outcome
+
+    async def admit(self, resource: str, device_ids: list[str]) -> str:
+        """Whether the kubelet may hand an exclusive device to the pod it is admitting now: only to
+        a pod of the namespace the device is handed out to. The kubelet does not say which pod
+        asks; it admits a node's pods oldest first, so the one asking is the oldest pending pod
+        here that requests the resource. A pod of the namespace the device left (pending since
+        then) is refused, and the kubelet fails it. "" allows; a pool is any namespace's."""
+        prefix = f"{EXCLUSIVE_DOMAIN}/"
+        if not resource.startswith(prefix):
+            return ""
+        namespace = self._assignments.get(resource[len(prefix):], "")
+        if not namespace:
+            return f"{resource} is handed out to no namespace now, so no pod may have it"
+        try:
+            pods = await self.session.request("GET", "/api/v1/pods", query={
+                "fieldSelector": f"spec.nodeName={self.node_name},status.phase=Pending"})  # fmt: skip
+        except (ApiError, OSError, aiohttp.ClientError) as exc:
+            return f"cannot tell which pod asks for {resource} ({exc}); refused rather than risk another namespace's pod"
+        asking = sorted((p for p in pods.get("items", []) if report.requests(p, resource)),
+                        key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"]))  # fmt: skip
+        if not asking or asking[0]["metadata"]["namespace"] == namespace:
+            return ""
+        pod = asking[0]["metadata"]
+        return (f"pod {pod['namespace']}/{pod['name']} asks for {resource}, which belongs to namespace {namespace} now: "
+                f"a pod of {pod['namespace']} never gets it")  # fmt: skip
 
     async def _discover(self) -> Discovery:
         locked = self.handover.locked() if self.handover is not None else frozenset()

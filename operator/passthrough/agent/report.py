@@ -68,6 +68,16 @@ def handed_out(live: dict[str, Any]) -> str:
     return ""
 
 
+def requests(pod: dict[str, Any], resource: str) -> bool:
+    """Whether a pod's containers (init containers too) ask for `resource`."""
+    spec = pod.get("spec") or {}
+    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        asked = container.get("resources") or {}
+        if resource in (asked.get("limits") or {}) or resource in (asked.get("requests") or {}):
+            return True
+    return False
+
+
 def resource_and_mode(device: Device, name: str, assigned_namespace: str) -> tuple[str, str]:
     """An assigned device leaves the GPU pool for its own exclusive resource."""
     if assigned_namespace:

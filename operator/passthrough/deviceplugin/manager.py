@@ -22,7 +22,7 @@ from passthrough.agent import metrics
 from passthrough.deviceplugin.allocation import VFIO_DIR, PluginDevice
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc
-from passthrough.deviceplugin.server import API_VERSION, HEALTHY, SOCKET_PREFIX, UNHEALTHY, DevicePlugin
+from passthrough.deviceplugin.server import API_VERSION, HEALTHY, SOCKET_PREFIX, UNHEALTHY, Admit, DevicePlugin
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,10 @@ class PluginManager:
         poll_interval: float = 0.5,
         register_timeout: float = 5.0,
         vfio_dir: str = VFIO_DIR,
+        admit: Admit | None = None,
     ) -> None:
         self.plugin_dir = Path(plugin_dir)
+        self.admit = admit
         self.kubelet_socket = self.plugin_dir / KUBELET_SOCKET
         self.health = health
         self.health_interval = health_interval
@@ -110,7 +112,7 @@ class PluginManager:
                 served = self._with_health(self._declared[name])
                 plugin = self._plugins.get(name)
                 if plugin is None:
-                    self._plugins[name] = DevicePlugin(name, self.plugin_dir, served, self.vfio_dir)
+                    self._plugins[name] = DevicePlugin(name, self.plugin_dir, served, self.vfio_dir, self.admit)
                     self._state[name] = Registration(last_error="not registered yet")
                 else:
                     self._log_health_changes(plugin, served)

@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -36,6 +36,11 @@ HEALTHY = "Healthy"  # the kubelet's pluginapi.Healthy / Unhealthy
 UNHEALTHY = "Unhealthy"
 SOCKET_PREFIX = "passthrough-"
 UNIX_PATH_MAX = 108  # sizeof(sun_path), the terminating NUL included
+
+
+# (resource name, device IDs) -> "" to allow the allocation, or why it is refused: the kubelet
+# knows resource names, not namespaces, so the agent judges who asks.
+Admit = Callable[[str, list[str]], Awaitable[str]]
 
 
 def socket_name(resource_name: str, plugin_dir: Path) -> str:
@@ -62,8 +67,10 @@ class DevicePlugin(api_grpc.DevicePluginServicer):
         plugin_dir: Path,
         devices: Iterable[PluginDevice] = (),
         vfio_dir: str = VFIO_DIR,
+        admit: Admit | None = None,
     ) -> None:
         self.resource_name = resource_name
+        self.admit = admit
         self.plugin_dir = Path(plugin_dir)
         self.endpoint = socket_name(resource_name, self.plugin_dir)
         self.socket_path = self.plugin_dir / self.endpoint
@@ -181,6 +188,9 @@ class DevicePlugin(api_grpc.DevicePluginServicer):
         responses = []
         try:
             for container in request.container_requests:
+                refusal = await self.admit(self.resource_name, list(container.devices_ids)) if self.admit else ""
+                if refusal:
+                    raise AllocationError(refusal)
                 allocation = allocate_response(self.resource_name, container.devices_ids, self._devices, self.vfio_dir)
                 responses.append(
                     api.ContainerAllocateResponse(

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import json
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -213,6 +214,8 @@ def _do(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    # A terminal's Ctrl-C reaches the whole process group: the agent stops this child itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
