@@ -35,7 +35,7 @@ controlplane: venv
 
 ## The main job: local control plane, CRDs, operator and simulated nodes. Ctrl-C stops all.
 run: controlplane
-	$(PY) -m e2e.devcluster
+	$(TESTNS) $(PY) -m e2e.devcluster
 
 ## The real-kernel rig (e2e/guest): Debian's qemu-system-x86 and busybox-static when missing, and
 ## the 6.1 and 6.12 kernels unpacked into the cache. Where that fails the real-kernel tests skip,
@@ -73,12 +73,12 @@ cluster-down: venv
 ## Every benchmark script, the control plane's first; each prints its figures.
 bench: controlplane
 	@set -e; for script in e2e/bench/bench_controlplane.py $$(ls e2e/bench/bench_*.py | grep -v bench_controlplane); do \
-		echo "== $$script"; $(PY) $$script; done
+		echo "== $$script"; $(TESTNS) $(PY) $$script; done
 
 ## The fault suite: every fault kind, many seeded trials (e2e/chaos.py); prints invariant
 ## violations, time to converge and process exits. Pass flags with CHAOS_ARGS="--seed 42".
 chaos: controlplane
-	$(PY) e2e/chaos.py $(CHAOS_ARGS)
+	$(TESTNS) $(PY) e2e/chaos.py $(CHAOS_ARGS)
 
 ## The container image, passthrough-operator:<the chart's appVersion> (e2e/image.py): buildah
 ## and mmdebstrap from Debian's packages when missing, requirements.lock rewritten from .venv.
