@@ -148,48 +148,42 @@ def _cached(series: str) -> list[Kernel]:
 
 
 def kernel(series: str = DEFAULT_SERIES) -> Kernel:
-    """The newest kernel of `series` Debian offers, unpacked into the cache (once)."""
+    """The newest kernel of `series` Debian offers, unpacked into the cache (once). Where apt
+    cannot give it (offline, no apt, a mirror that dropped the package), one unpacked before."""
     if series not in SERIES:
         raise RigUnavailable(f"unknown kernel series {series!r}; known: {', '.join(SERIES)}")
+    try:
+        return _fetch(series)
+    except RigUnavailable as exc:
+        cached = _cached(series)
+        if not cached:
+            raise RigUnavailable(f"kernel {series}: {exc}") from None
+        _log(f"{str(exc).splitlines()[0]}; using the cached {cached[-1].package}")
+        return cached[-1]
+
+
+def _fetch(series: str) -> Kernel:
     for tool in ("apt-get", "apt-cache", "dpkg-deb"):
         if shutil.which(tool) is None:
             raise RigUnavailable(f"{tool} not on PATH: the rig takes its kernels from Debian's packages")
     private = None
     wanted = _candidate(SERIES[series], None)
-    if wanted is None:
-        try:  # a fresh machine without package lists, or a 6.12 only bookworm-backports has
-            _run(["apt-get", "update", "-q", *_APT_LOCK], _APT_ENV)
-            wanted = _candidate(SERIES[series], None)
-            if wanted is None:
-                private = _private_apt(with_backports=True)
-                wanted = _candidate(SERIES[series], private)
-        except RigUnavailable as exc:
-            wanted = None
-            problem = str(exc).splitlines()[0]
-        else:
-            problem = f"apt knows no {SERIES[series]} (not in bookworm nor bookworm-backports)"
+    if wanted is None:  # a fresh machine without package lists, or a 6.12 only bookworm-backports has
+        _run(["apt-get", "update", "-q", *_APT_LOCK], _APT_ENV)
+        wanted = _candidate(SERIES[series], None)
         if wanted is None:
-            cached = _cached(series)
-            if cached:  # offline, but unpacked before: good enough for a test
-                _log(f"{problem}; using the cached {cached[-1].package}")
-                return cached[-1]
-            raise RigUnavailable(f"kernel {series}: {problem}")
+            private = _private_apt(with_backports=True)
+            wanted = _candidate(SERIES[series], private)
+        if wanted is None:
+            raise RigUnavailable(f"apt knows no {SERIES[series]} (not in bookworm nor bookworm-backports)")
     package, version = wanted
     entry = _kernels_dir() / f"{package}_{version}"
-    if (entry / COMPLETE).is_file():
-        return kernel_at(entry)
-    entry.mkdir(parents=True, exist_ok=True)
-    with (entry / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another session may be unpacking it: wait, then look again
-        if not (entry / COMPLETE).is_file():
-            try:
+    if not (entry / COMPLETE).is_file():
+        entry.mkdir(parents=True, exist_ok=True)
+        with (entry / ".lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another session may be unpacking it: wait, then look again
+            if not (entry / COMPLETE).is_file():
                 _unpack(series, package, version, entry, private)
-            except RigUnavailable as exc:
-                cached = _cached(series)
-                if not cached:  # else a mirror that dropped the package: an older kernel will do
-                    raise
-                _log(f"{exc}; using the cached {cached[-1].package}")
-                return cached[-1]
     return kernel_at(entry)
 
 
