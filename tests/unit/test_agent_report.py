@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from e2e.support import gpu
 from passthrough.agent import report
 
@@ -91,3 +93,35 @@ def test_an_object_an_older_agent_gave_to_its_node_is_applied_again():
     live = report.identity("pci-x", NODE)
     live["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": "gpu-1", "uid": "node-uid"}]
     assert not report.has_identity(live, NODE)  # the apply without the field removes it
+
+
+def test_names_the_api_server_would_refuse_are_made_writable_not_fatal():
+    # A driver link named with a byte that is not UTF-8, a pci.ids name past the CRD's bound:
+    # the agent's write must still be an object the API server takes (the loop never crashes).
+    from passthrough.api.models import DRIVER_MAX, PCI_IDS_NAME_MAX
+
+    device = dataclasses.replace(gpu("0000:3b:00.0"), driver="nv\udcffidia", name="A" * (PCI_IDS_NAME_MAX + 50))
+    attributes = report.attributes(device, "node-a")
+    assert attributes["driver"] == "nv\ufffdidia" and len(attributes["driver"]) <= DRIVER_MAX
+    assert attributes["name"] == "A" * PCI_IDS_NAME_MAX
+
+
+def test_a_device_is_handed_out_only_when_the_operator_says_so_for_the_namespace_the_spec_names():
+    def npci(spec: str, ref: dict | None, assigned: str) -> dict:
+        return {"spec": {"assignedNamespace": spec},
+                "status": {"assignedNamespaceRef": ref, "conditions": [{"type": "Assigned", "status": assigned}]}}  # fmt: skip
+
+    team_a = {"name": "team-a", "uid": "u-a"}
+    assert report.handed_out(npci("team-a", team_a, "True")) == "team-a"
+    assert report.handed_out(npci("team-a", team_a, "False")) == ""  # waiting: a conflict, no namespace yet
+    assert report.handed_out(npci("team-b", team_a, "True")) == ""  # reassigned: not yet handed to team-b
+    assert report.handed_out(npci("team-a", None, "True")) == ""
+    assert report.handed_out(npci("", team_a, "True")) == ""  # unassigned
+    assert report.handed_out({"metadata": {"name": "x"}}) == ""
+
+
+def test_a_pod_asks_for_a_resource_in_its_limits_or_requests_of_any_container():
+    pod = {"spec": {"initContainers": [{"resources": {"requests": {"passthrough.io/pci-a": "1"}}}],
+                    "containers": [{"resources": {"limits": {"passthrough.io/pci-b": "1"}}}, {}]}}  # fmt: skip
+    assert report.requests(pod, "passthrough.io/pci-a") and report.requests(pod, "passthrough.io/pci-b")
+    assert not report.requests(pod, "passthrough.io/pci-c") and not report.requests({}, "passthrough.io/pci-a")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from passthrough.api.conditions import Cond, condition
-from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCIAttributes
+from passthrough.api.models import API_VERSION, DRIVER_MAX, NODE_PCI_DEVICE, PCI_IDS_NAME_MAX, PCIAttributes
 from passthrough.api.labels import NODE_LABEL
 from passthrough.pci.discovery import Device
 from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
@@ -87,17 +87,24 @@ def resource_and_mode(device: Device, name: str, assigned_namespace: str) -> tup
     return "", ""
 
 
+def _text(value: str, limit: int) -> str:
+    """A name read from the kernel or pci.ids as the API server takes it: bytes that are not
+    UTF-8 (a driver link named with 0xff) as U+FFFD, and no longer than the CRD allows (only a
+    damaged pci.ids has longer names)."""
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")[:limit]
+
+
 def attributes(device: Device, node: str) -> dict[str, Any]:
     return PCIAttributes(
-        name=device.name,
-        vendorName=device.vendor_name,
+        name=_text(device.name, PCI_IDS_NAME_MAX),
+        vendorName=_text(device.vendor_name, PCI_IDS_NAME_MAX),
         pciAddress=device.address,
         vendorID=device.vendor_id,
         deviceID=device.device_id,
         subsystemVendorID=device.subsystem_vendor_id,
         subsystemDeviceID=device.subsystem_device_id,
         class_=device.class_code,
-        driver=device.driver,
+        driver=_text(device.driver, DRIVER_MAX),
         iommuGroup=device.iommu_group,
         numaNode=device.numa_node,
         nodeName=node,
