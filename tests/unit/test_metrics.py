@@ -228,13 +228,14 @@ async def test_binds_and_give_backs_are_counted_with_their_failures_by_reason(tm
                 (module / "refcnt").write_text("1\n")  # nvidia-persistenced has it open
                 await handover.carry_out(Plan(bind={21: (other_gpu, other_audio)}))
                 vmm = os.open(host.vfio_node(20), os.O_RDWR)  # a VM holds group 20: waiting, no failure
-                held = await handover.carry_out(Plan(release={20: (gpu, audio)}))
+                view = await handover.look()  # the kubelet's answer: no pod holds anything
+                held = await handover.carry_out(Plan(release={20: (gpu, audio)}), view)
                 os.close(vmm)
                 assert held.waiting[gpu].reason == "HeldByProcess"
                 host.set_default_driver(gpu, "vfio-pci")  # vfio-pci.ids=: it comes straight back
-                await handover.carry_out(Plan(release={20: (gpu, audio)}))
+                await handover.carry_out(Plan(release={20: (gpu, audio)}), view)
                 host.set_default_driver(gpu, "nvidia")
-                await handover.carry_out(Plan(release={20: (gpu, audio)}))
+                await handover.carry_out(Plan(release={20: (gpu, audio)}), view)
                 after = counts()
             finally:
                 await handover.close()
