@@ -126,3 +126,41 @@ async def test_a_watch_of_a_kind_that_does_not_exist_is_a_404(cluster):
                 pass
     assert refused.value.status == 404
 
+
+
+async def test_the_api_server_knows_us_by_our_user_agent(cluster, unique):
+    # A write without a fieldManager is recorded under the client's User-Agent (its part before
+    # the first "/"), as the API server's audit log and metrics see it.
+    async with await open_session(str(cluster.kubeconfig)) as session:
+        name = f"agent-{unique}"
+        made = await session.request("POST", "/api/v1/namespaces/default/configmaps",
+                                     body={"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"a": "b"}})  # fmt: skip
+        await session.request("DELETE", f"/api/v1/namespaces/default/configmaps/{name}")
+    assert [m["manager"] for m in made["metadata"]["managedFields"]] == ["passthrough"]
+
+
+async def test_a_rotated_ca_file_is_read_again_without_a_new_session(cluster, tmp_path):
+    from tests.unit.test_kubeapi_transport import authority
+
+    other, _ = authority(tmp_path, "other-ca")
+    (tmp_path / "ca.crt").write_bytes(other.read_bytes())
+    path = kubeconfig(cluster, tmp_path / "config", {"token": cluster.token}, {"certificate-authority": "ca.crt"}, ca_data=False)
+    async with await open_session(str(path)) as session:
+        with pytest.raises(Exception, match="certificate verify failed"):
+            await namespaces(session)
+        (tmp_path / "ca.crt").write_bytes(cluster.ca_file.read_bytes())  # the cluster's CA, written in place
+        assert "default" in await namespaces(session)  # the failed handshake made it look again at once
+
+
+async def test_a_kubeconfigs_proxy_url_reaches_the_api_server_through_the_proxy(cluster, tmp_path):
+    from tests.unit.test_kubeapi_transport import connect_proxy
+
+    tunnels: list[tuple[str, str]] = []
+    server, port = await connect_proxy(tunnels)
+    path = kubeconfig(cluster, tmp_path / "config", {"token": cluster.token}, {"proxy-url": f"http://127.0.0.1:{port}"})
+    try:
+        async with await open_session(str(path)) as session:
+            assert "default" in await namespaces(session)
+    finally:
+        server.close()
+    assert tunnels == [(f"CONNECT {cluster.server.removeprefix('https://')} HTTP/1.1", "")]

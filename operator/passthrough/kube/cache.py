@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
+import random
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from passthrough.api.models import GROUP, VERSION
 from passthrough.kube.client import ApiError, session_of
 from passthrough.kube.custom import Custom
-from passthrough.kube.retry import patiently
 from passthrough.kube.watch import watch_events
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,13 @@ def _written_after(version: str, listed: str) -> bool:
         return int(version) > int(listed)
     except ValueError:
         return False
+
+
+def jittered(backoff: float) -> float:
+    """A wait of between `backoff` and twice it, at random (client-go's wait.Jitter with factor 1):
+    a thousand agents cut off by one API-server brownout come back spread over the window, not
+    all in the same second (and again together at every doubling)."""
+    return backoff * (1 + random.random())
 
 
 def object_key(body: Mapping[str, Any]) -> Key:
@@ -184,6 +191,7 @@ class Informer(Generic[V]):
     # -- list and watch -------------------------------------------------------------------------
 
     retry_delay = 1.0  # the first wait after a failure; doubled up to 30 s while it lasts
+    relist_jitter = 1.0  # at most this many seconds before listing again after a 410
 
     async def run(self) -> None:
         backoff = self.retry_delay
@@ -198,13 +206,18 @@ class Informer(Generic[V]):
             except ApiError as exc:
                 if exc.status == 410:  # our resourceVersion is too old: list again
                     self._resource_version = ""
+                    # Every client's watch expires together after an API server's restart or
+                    # etcd's compaction: spread the relists instead of listing in step.
+                    await asyncio.sleep(random.uniform(0, self.relist_jitter))
                     continue
-                log.warning("watching %s failed (%s %s); again in %.0fs", self.plural, exc.status, exc.reason, backoff)
-                await asyncio.sleep(backoff)
+                wait = jittered(backoff)
+                log.warning("watching %s failed (%s %s); again in %.1fs", self.plural, exc.status, exc.reason, wait)
+                await asyncio.sleep(wait)
                 backoff = min(backoff * 2, 30)
             except Exception as exc:  # connection resets and the like
-                log.warning("watching %s broke (%s); again in %.0fs", self.plural, exc or type(exc).__name__, backoff)
-                await asyncio.sleep(backoff)
+                wait = jittered(backoff)
+                log.warning("watching %s broke (%s); again in %.1fs", self.plural, exc or type(exc).__name__, wait)
+                await asyncio.sleep(wait)
                 backoff = min(backoff * 2, 30)
 
     async def relist(self) -> None:
@@ -219,7 +232,7 @@ class Informer(Generic[V]):
         token = ""
         while True:
             query = {"labelSelector": self.label_selector, "limit": self.page_size, "continue": token}
-            page = await patiently(self.session.request, "GET", self._path, query=query)
+            page = await self.session.request("GET", self._path, query=query)
             for body in page.get("items") or ():
                 key = self._key(body)
                 seen.add(key)

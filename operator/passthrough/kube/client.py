@@ -8,7 +8,9 @@ every call. Here a request is a path, a query and a body.
 
 Credentials: the pod's service account (its token read again every minute, as client-go
 does, since bound tokens rotate), or a kubeconfig's own credentials (client certificates,
-a token or token file, basic auth; files or inline data). A kubeconfig whose user needs an
+a token or token file, basic auth; files or inline data). Certificate files (the CA, the
+client's certificate and key) are read again when they change, so a rotated certificate
+needs no restart. A cluster's `proxy-url` (HTTP) is honoured. A kubeconfig whose user needs an
 exec plugin or an auth provider, or a KUBECONFIG naming several files to merge, is loaded
 by kubernetes_asyncio's loader (imported only then), whose configuration then supplies the
 headers of every request.
@@ -16,11 +18,15 @@ headers of every request.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
+import logging
 import os
+import platform
 import ssl
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -35,7 +41,32 @@ APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TOKEN_REREAD_SECONDS = 60.0
+CERTIFICATES_RECHECK_SECONDS = 60.0  # how often certificate files are looked at for a change
 DEFAULT_TIMEOUT = 60.0  # seconds for one request that is not a watch
+TOO_MANY_REQUESTS_ATTEMPTS = 5  # tries of one request while the server answers 429
+RETRY_AFTER_CAP = 10.0  # seconds at most between them, whatever Retry-After says
+
+log = logging.getLogger(__name__)
+
+
+def user_agent() -> str:
+    """Ours, as client-go makes its own: program/version (os/arch), plus the subcommand when
+    the process is `passthrough <command>`, so an audit log or the API server's metrics tell
+    the operator from the agents."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("passthrough-operator")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    agent = f"passthrough/{version} ({sys.platform}/{platform.machine() or 'unknown'})"
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if program in ("passthrough", "__main__.py") and len(sys.argv) > 1 and sys.argv[1].isidentifier():
+        agent += f" {sys.argv[1]}"
+    return agent
+
+
+USER_AGENT = user_agent()
 
 
 class ApiError(Exception):
@@ -56,6 +87,15 @@ class ApiError(Exception):
             return ""
 
 
+def retry_after(exc: ApiError) -> float:
+    """Seconds to wait before trying again after a 429: the server's Retry-After, within bounds."""
+    try:
+        delay = float((exc.headers or {}).get("Retry-After", 1))
+    except ValueError:
+        delay = 1.0
+    return min(max(delay, 0.1), RETRY_AFTER_CAP)
+
+
 class KubeconfigError(RuntimeError):
     """A kubeconfig that cannot be used; the message says which and why."""
 
@@ -69,14 +109,26 @@ class Session:
     def __init__(
         self, http: aiohttp.ClientSession, host: str, headers: Headers | None = None, *, owned: bool = True,
         server_hostname: str | None = None, on_close: Callable[[], Awaitable[None]] | None = None,
+        tls: TLSFiles | None = None, proxy: str | None = None,
     ) -> None:  # fmt: skip
         self.http, self.host = http, host.rstrip("/")
         self._headers, self._owned, self._on_close = headers, owned, on_close
         self._extra: dict[str, Any] = {"server_hostname": server_hostname} if server_hostname else {}
+        self.tls = tls
         self.proxy: str | None = None
         self.proxy_headers: dict[str, str] | None = None
+        if proxy:
+            self._use_proxy(proxy)
         if owned:
             self._resolve_proxy_once()
+
+    def _use_proxy(self, proxy: str) -> None:
+        url = yarl.URL(proxy)
+        if url.scheme != "http" or not url.host:
+            raise KubeconfigError(f"proxy-url {proxy!r}: only an http:// proxy is supported (it tunnels TLS with CONNECT)")
+        if url.user is not None:  # sent with the CONNECT that opens the tunnel
+            self.proxy_headers = {"Proxy-Authorization": aiohttp.encode_basic_auth(url.user, url.password or "")}
+        self.proxy = str(url.with_user(None))
 
     def _resolve_proxy_once(self) -> None:
         # Trusting the environment, aiohttp reads ~/.netrc and the proxy variables in a worker
@@ -113,28 +165,55 @@ class Session:
             # API server parses apply patches as YAML.
             data = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False).encode()
             headers["Content-Type"] = content_type
+        extra = self._extra if self.tls is None else {**self._extra, "ssl": self.tls.current()}
         return self.http.request(
             method, self.host + path, params=_query(query), data=data, headers=headers, timeout=timeout,
-            proxy=self.proxy, proxy_headers=self.proxy_headers, **self._extra,
+            proxy=self.proxy, proxy_headers=self.proxy_headers, **extra,
         )  # fmt: skip
 
     async def _all_headers(self) -> dict[str, str]:
-        headers = {"Accept": JSON}
+        headers = {"Accept": JSON, "User-Agent": USER_AGENT}
         if self._headers is not None:
             headers.update(await self._headers())
         return headers
 
     async def request(
         self, method: str, path: str, *, query: Mapping[str, Any] | None = None, body: Any = None,
-        content_type: str = JSON, timeout: float | None = DEFAULT_TIMEOUT,
+        content_type: str = JSON, timeout: float | None = DEFAULT_TIMEOUT, attempts: int = TOO_MANY_REQUESTS_ATTEMPTS,
     ) -> Any:  # fmt: skip
-        """The answer's JSON; ApiError for a status outside 2xx."""
+        """The answer's JSON; ApiError for a status outside 2xx.
+
+        A 429 (Too Many Requests: priority and fairness shedding load, a kind's storage
+        initializing, the server's in-flight limit) is tried again after the server's
+        Retry-After, up to `attempts` tries in all, whatever the verb: a 429 is answered before
+        the request is acted on, so trying again never does anything twice.
+        """
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._request_once(method, path, query, body, content_type, timeout)
+            except ApiError as exc:
+                if exc.status != 429 or attempt >= attempts:
+                    raise
+                await asyncio.sleep(retry_after(exc))
+        raise AssertionError("unreachable")
+
+    async def _request_once(self, method: str, path: str, query: Mapping[str, Any] | None, body: Any, content_type: str,
+                            timeout: float | None) -> Any:  # fmt: skip
         headers = await self._all_headers()
-        async with self._request(method, path, query, body, content_type, headers, aiohttp.ClientTimeout(total=timeout)) as response:
-            data = await response.read()
-            if not 200 <= response.status < 300:
-                raise ApiError(response.status, response.reason or "", data.decode(errors="replace"), response.headers)
-            return json.loads(data) if data else None
+        try:
+            async with self._request(method, path, query, body, content_type, headers, aiohttp.ClientTimeout(total=timeout)) as response:
+                data = await response.read()
+                if not 200 <= response.status < 300:
+                    raise ApiError(response.status, response.reason or "", data.decode(errors="replace"), response.headers)
+                return json.loads(data) if data else None
+        except aiohttp.ClientSSLError:
+            self._handshake_failed()
+            raise
+
+    def _handshake_failed(self) -> None:
+        # A certificate rotated since the last look is the likely cause: look again at once.
+        if self.tls is not None:
+            self.tls.look_again()
 
     async def watch(
         self, path: str, query: Mapping[str, Any] | None = None, *, connect: float = 10.0, read: float = 330.0
@@ -144,7 +223,12 @@ class Session:
         server gone silent ends the watch (to be started again) instead of holding it for ever."""
         headers = await self._all_headers()
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect, connect=connect, sock_read=read)
-        async with self._request("GET", path, {**(query or {}), "watch": True}, None, JSON, headers, timeout) as response:
+        try:
+            opened = await self._request("GET", path, {**(query or {}), "watch": True}, None, JSON, headers, timeout)
+        except aiohttp.ClientSSLError:
+            self._handshake_failed()
+            raise
+        async with opened as response:
             if response.status != 200:
                 data = await response.read()
                 raise ApiError(response.status, response.reason or "", data.decode(errors="replace"), response.headers)
@@ -272,6 +356,53 @@ def _ssl_context(ca: tuple[str | None, bytes | None], cert: tuple[str | None, by
     return context
 
 
+class TLSFiles:
+    """A session's TLS context, made again from its files when one of them changes (a rotated
+    CA, client certificate or key: cert-manager, kubeadm and the kubelet rotate them in place).
+
+    Files are looked at (stat) at most every CERTIFICATES_RECHECK_SECONDS, and at once after a
+    handshake failed. A change that cannot be loaded yet (the certificate written, its key not
+    yet) keeps the context in use and is tried again at the next look. Connections already open
+    keep the credentials they were opened with; new ones take the new context.
+    """
+
+    def __init__(self, build: Callable[[], ssl.SSLContext], files: list[str]) -> None:
+        self._build, self.files = build, [f for f in files if f]
+        self._stamp = self._stamps()
+        self.context = build()
+        self._looked = time.monotonic()
+        self.reloads = 0
+
+    def _stamps(self) -> tuple:
+        stamps = []
+        for file in self.files:
+            try:
+                st = os.stat(file)
+                stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def look_again(self) -> None:
+        self._looked = -float("inf")
+
+    def current(self) -> ssl.SSLContext:
+        now = time.monotonic()
+        if self.files and now - self._looked >= CERTIFICATES_RECHECK_SECONDS:
+            self._looked = now
+            stamp = self._stamps()
+            if stamp != self._stamp:
+                try:
+                    context = self._build()
+                except KubeconfigError as exc:
+                    log.warning("a certificate file changed but cannot be loaded yet (%s); keeping the one in use", exc)
+                else:
+                    self.context, self._stamp = context, stamp
+                    self.reloads += 1
+                    log.info("certificate files changed: %s read again", ", ".join(self.files))
+        return self.context
+
+
 def _http(context: ssl.SSLContext, connections: int) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=connections, ssl=context)
     # Watch events of large objects (a Node with many images) exceed aiohttp's default buffer.
@@ -280,10 +411,10 @@ def _http(context: ssl.SSLContext, connections: int) -> aiohttp.ClientSession:
 
 def _from_kubeconfig(path: Path, cluster: dict[str, Any], user: dict[str, Any], connections: int) -> Session:
     base = path.parent
-    context = _ssl_context(
-        _material(cluster, "certificate-authority", base), _material(user, "client-certificate", base),
-        _material(user, "client-key", base), bool(cluster.get("insecure-skip-tls-verify")),
-    )  # fmt: skip
+    ca, cert, key = (_material(cluster, "certificate-authority", base), _material(user, "client-certificate", base),
+                     _material(user, "client-key", base))  # fmt: skip
+    insecure = bool(cluster.get("insecure-skip-tls-verify"))
+    tls = TLSFiles(lambda: _ssl_context(ca, cert, key, insecure), [ca[0], cert[0], key[0]])
     headers: Headers | None = None
     if user.get("token"):
         fixed = {"Authorization": f"Bearer {user['token']}"}
@@ -293,18 +424,24 @@ def _from_kubeconfig(path: Path, cluster: dict[str, Any], user: dict[str, Any], 
     elif user.get("username"):
         basic = aiohttp.BasicAuth(user["username"], user.get("password") or "").encode()
         headers = _constant({"Authorization": basic})
-    return Session(_http(context, connections), cluster["server"], headers, server_hostname=cluster.get("tls-server-name"))
+    return Session(_http(tls.context, connections), cluster["server"], headers, server_hostname=cluster.get("tls-server-name"),
+                   tls=tls, proxy=cluster.get("proxy-url"))  # fmt: skip
 
 
 def _in_cluster(connections: int) -> Session:
     host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get("KUBERNETES_SERVICE_PORT", "443")
     if ":" in host:
         host = f"[{host}]"
-    try:
-        context = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt"))
-    except (ssl.SSLError, OSError) as exc:
-        raise KubeconfigError(f"in a pod, but its service account's ca.crt cannot be read: {exc}") from None
-    return Session(_http(context, connections), f"https://{host}:{port}", _token_file(SERVICE_ACCOUNT / "token"))
+    ca = str(SERVICE_ACCOUNT / "ca.crt")
+
+    def context() -> ssl.SSLContext:
+        try:
+            return ssl.create_default_context(cafile=ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise KubeconfigError(f"in a pod, but its service account's ca.crt cannot be read: {exc}") from None
+
+    tls = TLSFiles(context, [ca])  # the cluster's CA rotates too (kube-root-ca.crt)
+    return Session(_http(tls.context, connections), f"https://{host}:{port}", _token_file(SERVICE_ACCOUNT / "token"), tls=tls)
 
 
 def _constant(headers: dict[str, str]) -> Headers:

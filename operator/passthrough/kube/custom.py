@@ -8,7 +8,6 @@ from typing import Any
 
 from passthrough.api.models import GROUP, VERSION
 from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
-from passthrough.kube.retry import patiently
 from passthrough.kube.watch import watch_events
 
 AGENT_MANAGER = "passthrough-agent"
@@ -33,20 +32,20 @@ class Custom:
 
     async def get(self, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         try:
-            return await patiently(self.session.request, "GET", self.path(name, namespace))
+            return await self.session.request("GET", self.path(name, namespace))
         except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
 
     async def list(self, label_selector: str = "", namespace: str | None = None, **query: Any) -> dict[str, Any]:
-        return await patiently(self.session.request, "GET", self.path(namespace=namespace), query={"labelSelector": label_selector, **query})
+        return await self.session.request("GET", self.path(namespace=namespace), query={"labelSelector": label_selector, **query})
 
     async def apply(self, body: dict[str, Any], manager: str, status: bool = False, force: bool = True) -> dict[str, Any]:
         """Server-side apply of `body` (its metadata names the object); `status` targets the subresource."""
         path = self.path(body["metadata"]["name"], body["metadata"].get("namespace"), status)
         query = {"fieldManager": manager, "force": force}
-        return await patiently(self.session.request, "PATCH", path, query=query, body=body, content_type=APPLY_PATCH)
+        return await self.session.request("PATCH", path, query=query, body=body, content_type=APPLY_PATCH)
 
     async def delete(
         self, name: str, namespace: str | None = None, uid: str | None = None, resource_version: str | None = None
@@ -57,7 +56,7 @@ class Custom:
         preconditions = {k: v for k, v in (("uid", uid), ("resourceVersion", resource_version)) if v}
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": preconditions} if preconditions else None
         try:
-            await patiently(self.session.request, "DELETE", self.path(name, namespace), body=body)
+            await self.session.request("DELETE", self.path(name, namespace), body=body)
             return 200
         except ApiError as exc:
             if exc.status in (404, 409):

@@ -1,4 +1,9 @@
-"""A call again while the API server answers 429 (Too Many Requests)."""
+"""A call again while the API server answers 429 (Too Many Requests).
+
+`Session.request` does this for every request it makes (every verb: a 429 is answered before
+the request is acted on); `patiently` is the same for any other call, such as one of
+kubernetes_asyncio's typed API that tests and tools use.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,16 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from passthrough.kube.client import ApiError
+from passthrough.kube.client import TOO_MANY_REQUESTS_ATTEMPTS, ApiError, retry_after
 
 T = TypeVar("T")
 
 
-async def patiently(call: Callable[..., Awaitable[T]], *args: Any, attempts: int = 5, **kwargs: Any) -> T:
+async def patiently(call: Callable[..., Awaitable[T]], *args: Any, attempts: int = TOO_MANY_REQUESTS_ATTEMPTS, **kwargs: Any) -> T:
     """`call`, again after the server's Retry-After while it answers 429.
 
     It does while a new kind's storage initializes ("storage is (re)initializing") and when
-    priority-and-fairness sheds load; both pass within seconds. Every call here is idempotent.
+    priority-and-fairness sheds load; both pass within seconds.
     """
     for attempt in range(attempts):
         try:
@@ -23,9 +28,5 @@ async def patiently(call: Callable[..., Awaitable[T]], *args: Any, attempts: int
         except ApiError as exc:
             if exc.status != 429 or attempt == attempts - 1:
                 raise
-            try:
-                delay = float((exc.headers or {}).get("Retry-After", 1))
-            except ValueError:
-                delay = 1.0
-            await asyncio.sleep(min(max(delay, 0.1), 10))
+            await asyncio.sleep(retry_after(exc))
     raise AssertionError("unreachable")
