@@ -180,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="only report devices: bind nothing to vfio-pci and serve no resources",
     )
+    p.add_argument(
+        "--dra",
+        action="store_true",
+        help="serve devices through Dynamic Resource Allocation (a ResourceSlice, claims) instead of device plugins",
+    )
+    p.add_argument("--kubelet-dir", default="/var/lib/kubelet", metavar="DIR",
+                   help="the kubelet's root directory, for --dra: plugins_registry/ and plugins/ (default /var/lib/kubelet)")  # fmt: skip
+    p.add_argument("--cdi-dir", default="/var/run/cdi", metavar="DIR",
+                   help="where --dra writes CDI specs for the container runtime (default /var/run/cdi)")  # fmt: skip
     _add_metrics_flags(p, "agent")
     _add_client_flags(p)
     p.set_defaults(func=_lazy("passthrough.agent.main", "run"))

@@ -29,7 +29,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float) -> int
     endpoint = None
     try:
         handover = None
-        if args.device_plugin:
+        if args.device_plugin and not args.dra:  # one way to serve devices at a time
             handover = Handover(
                 sysfs_root=Path(args.sysfs_root),
                 dev_root=Path(args.dev_root),
@@ -60,6 +60,14 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float) -> int
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(agent.run(), name="agent")]
+        if args.dra:
+            from passthrough.dra.driver import Driver  # gRPC and the DRA protos, for a DRA agent only
+
+            driver = Driver(api, args.node_name, Path(args.sysfs_root), Path(args.proc_root), Path(args.dev_root),
+                            agent.pci_ids, Path(args.kubelet_dir), Path(args.cdi_dir), rescan, args.sriov_virtual_functions,
+                            deadline)  # fmt: skip
+            loop.add_signal_handler(signal.SIGHUP, lambda: (agent.trigger(), driver.trigger()))
+            tasks.append(asyncio.create_task(supervised("DRA driver", driver.run), name="dra"))
         if args.hotplug:
             tasks.append(asyncio.create_task(supervised("hotplug listener", lambda: uevent.listen(agent.trigger)), name="uevents"))
         stopper = asyncio.create_task(stop.wait())

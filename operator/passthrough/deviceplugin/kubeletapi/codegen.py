@@ -1,7 +1,8 @@
 """Vendor the kubelet's gRPC protos from the k8s.io/kubelet Go module and generate their Python code.
 
-`make protos` regenerates the checked-in *_pb2.py, *_pb2.pyi and *_pb2_grpc.py from the
-vendored api.proto files; `python -m passthrough.deviceplugin.kubeletapi.codegen --vendor
+Two targets, one codegen: the device-plugin protos here (`PROTOS`), and the DRA kubelet
+plugin's under `passthrough/dra/kubeletapi` (`DRA_PROTOS`). `make protos` regenerates the
+checked-in *_pb2.py, *_pb2.pyi and *_pb2_grpc.py of both from the vendored api.proto files; `python -m passthrough.deviceplugin.kubeletapi.codegen --vendor
 v0.X.Y` first refreshes those files from the Go module (the Go module proxy, through `go`).
 Tests use the same functions, so the checked-in code is exactly what these commands write.
 
@@ -33,10 +34,16 @@ INCLUDE_ROOT = HERE.parents[2]  # operator/: protoc's -I, so generated imports a
 class VendoredProto:
     package_dir: str  # sub-package of kubeletapi holding api.proto and its generated code
     upstream_path: str  # path inside the k8s.io/kubelet module
+    home: Path = HERE  # the kubeletapi package it lives in
 
     @property
     def proto(self) -> Path:
-        return HERE / self.package_dir / "api.proto"
+        return self.home / self.package_dir / "api.proto"
+
+    @property
+    def module(self) -> str:
+        """The generated module's import path (`passthrough....api_pb2`)."""
+        return self.proto.with_name("api_pb2").relative_to(INCLUDE_ROOT).as_posix().replace("/", ".")
 
     @property
     def include_relative(self) -> str:
@@ -47,6 +54,15 @@ PROTOS = (
     VendoredProto("deviceplugin_v1beta1", "pkg/apis/deviceplugin/v1beta1/api.proto"),
     VendoredProto("podresources_v1", "pkg/apis/podresources/v1/api.proto"),
 )
+
+DRA_HOME = HERE.parents[1] / "dra" / "kubeletapi"
+# The kubelet of 1.37 speaks DRA v1 (and v1beta1, which it converts); plugins register through
+# the kubelet's plugin watcher (pluginregistration v1), as CSI drivers do.
+DRA_PROTOS = (
+    VendoredProto("dra_v1", "pkg/apis/dra/v1/api.proto", DRA_HOME),
+    VendoredProto("pluginregistration_v1", "pkg/apis/pluginregistration/v1/api.proto", DRA_HOME),
+)
+ALL_PROTOS = PROTOS + DRA_PROTOS
 
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
@@ -137,7 +153,7 @@ def vendor(module_version: str) -> list[Path]:
     """Write every vendored proto from k8s.io/kubelet@module_version."""
     module = download_kubelet_module(module_version)
     written = []
-    for proto in PROTOS:
+    for proto in ALL_PROTOS:
         upstream = (module / proto.upstream_path).read_text()
         proto.proto.write_text(vendored_text(upstream, module_version, proto.upstream_path))
         written.append(proto.proto)
@@ -159,7 +175,7 @@ def protoc(args: list[str]) -> None:
 def generate(out_root: Path = INCLUDE_ROOT) -> list[Path]:
     """Generate the Python code of every vendored proto under out_root (operator/ for the real tree)."""
     written = []
-    for proto in PROTOS:
+    for proto in ALL_PROTOS:
         protoc([f"-I{INCLUDE_ROOT}", f"--python_out={out_root}", f"--pyi_out={out_root}", f"--grpc_python_out={out_root}", proto.include_relative])
         folder = out_root / Path(proto.include_relative).parent
         written += [folder / f"api{suffix}" for suffix in GENERATED_SUFFIXES]
@@ -169,7 +185,7 @@ def generate(out_root: Path = INCLUDE_ROOT) -> list[Path]:
 def generated_files() -> dict[str, str]:
     """The checked-in generated files, by path relative to operator/."""
     files = {}
-    for proto in PROTOS:
+    for proto in ALL_PROTOS:
         for suffix in GENERATED_SUFFIXES:
             path = proto.proto.with_name(f"api{suffix}")
             files[path.relative_to(INCLUDE_ROOT).as_posix()] = path.read_text() if path.exists() else ""

@@ -1,0 +1,438 @@
+"""The agent's DRA driver: a kubelet plugin that publishes the node's devices as a ResourceSlice
+and, when the kubelet prepares a claim, binds the allocated device's IOMMU group to vfio-pci and
+hands the container its /dev/vfio nodes and the KEP-5304 metadata file through CDI.
+
+- Registration: a socket in `<kubelet dir>/plugins_registry/`, which the kubelet's plugin watcher
+  finds and asks GetInfo (type DRAPlugin, our driver name, the endpoint, the gRPC services we
+  serve: `v1.DRAPlugin`); it survives kubelet restarts, which find it again.
+- The DRAPlugin service on `<kubelet dir>/plugins/<driver>/dra.sock`.
+- A pass (at start, every rescan interval, when an assignment or our slice changes, on trigger):
+  discovery (`pci.discovery`, as the agent's scan), the hand-outs from the node's NodePCIDevices
+  (`agent.report.handed_out`), the slice (`dra.slice`) written only when it differs; then the
+  groups this driver bound that no published device and no prepared claim needs go back to their
+  drivers.
+- Prepare: the same binder child as the device plugins (`pci.binder.Binder`); what it moved is
+  recorded (`agent.bound.Bound`, in the plugin directory) so only that is ever given back.
+  Prepared claims are kept in `checkpoint.json` there: a repeated prepare (kubelet retry or
+  restart) answers the same, an unprepare after our own restart finds its files.
+- The node's guarantee, kept here too: a device handed out to namespace X is prepared only for a
+  claim of X, whatever the scheduler allocated (the webhook and per-namespace DeviceClasses are
+  the first gates; this is the last).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+
+from passthrough.agent import plan as node_plan
+from passthrough.agent import report
+from passthrough.agent.bound import Bound
+from passthrough.api.labels import NODE_LABEL
+from passthrough.api.models import NODE_PCI_DEVICE
+from passthrough.dra import cdi
+from passthrough.dra import slice as dra_slice
+from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
+from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
+from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2 as reg
+from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2_grpc as reg_grpc
+from passthrough.kube.cache import Mirror
+from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
+from passthrough.kube.custom import AGENT_MANAGER, Custom
+from passthrough.pci.binder import DEADLINE, Binder
+from passthrough.pci.discovery import BRIDGE_CLASS, Discovery, discover
+from passthrough.pci.pciids import PciIds
+from passthrough.pci.vfio import BindError
+
+log = logging.getLogger(__name__)
+
+DRIVER = dra_slice.DRIVER
+KUBELET_DIR = Path("/var/lib/kubelet")
+CDI_DIR = Path("/var/run/cdi")
+SERVICES = ("v1.DRAPlugin",)  # "<gRPC package's last part>.<service>", as the kubelet matches them
+PLUGIN_TYPE = "DRAPlugin"
+CHECKPOINT = "checkpoint.json"
+RETRY = 5.0  # seconds before the next pass after a failed one
+
+
+class DriverError(RuntimeError):
+    """The driver cannot run at all; the message says what to do."""
+
+
+@dataclass
+class PreparedClaim:
+    namespace: str
+    name: str
+    devices: list[dict[str, Any]] = field(default_factory=list)  # cdi.PreparedDevice fields + cdi_ids
+    files: list[str] = field(default_factory=list)  # CDI specs and metadata files written for it
+
+
+class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
+    def __init__(
+        self,
+        api: Any,
+        node_name: str,
+        sysfs_root: Path = Path("/sys"),
+        proc_root: Path = Path("/proc"),
+        dev_root: Path = Path("/dev"),
+        pci_ids: PciIds | None = None,
+        kubelet_dir: Path = KUBELET_DIR,
+        cdi_dir: Path = CDI_DIR,
+        rescan_interval: float = 300,
+        virtual_functions: bool = False,
+        write_deadline: float = DEADLINE,
+        bind_timeout: float = 5.0,
+    ) -> None:
+        self.session = session_of(api)
+        self.node_name = node_name
+        self.sysfs_root, self.proc_root, self.dev_root = Path(sysfs_root), Path(proc_root), Path(dev_root)
+        self.pci_ids = pci_ids if pci_ids is not None else PciIds.load()
+        self.plugin_dir = Path(kubelet_dir) / "plugins" / DRIVER
+        self.registration_socket = Path(kubelet_dir) / "plugins_registry" / f"{DRIVER}-reg.sock"
+        self.endpoint = self.plugin_dir / "dra.sock"
+        self.cdi_dir = Path(cdi_dir)
+        self.rescan_interval = rescan_interval
+        self.virtual_functions = virtual_functions
+        self.bind_timeout = bind_timeout
+        self.binder = Binder(write_deadline, on_finished=self.trigger)
+        self.bound = Bound(self.plugin_dir)
+        self.devices = Mirror(Custom(api, NODE_PCI_DEVICE.plural), label_selector=f"{NODE_LABEL}={node_name}")
+        self.slices = Mirror(Custom(api, dra_slice.PLURAL, group="resource.k8s.io", version="v1"),
+                             label_selector=f"{NODE_LABEL}={node_name}")  # fmt: skip
+        self.inventory: dict[str, dra_slice.Published] = {}  # slice device name -> what it is, as last published
+        self.discovery: Discovery | None = None
+        self.prepared: dict[str, PreparedClaim] = self._load()
+        self.registered = asyncio.Event()
+        self.published = asyncio.Event()  # set after the first pass wrote or confirmed the slice
+        self.passes = 0
+        self.writes = 0  # ResourceSlice writes
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()  # prepare, unprepare and give-back one at a time
+        self._servers: list[grpc.aio.Server] = []
+        self._seen: tuple[dict[str, str], frozenset[str]] | None = None  # the hand-outs the last pass saw
+        self._desired: dict[str, Any] | None = None  # the slice's spec the last pass wanted
+        self._node_uid = ""
+
+    def trigger(self, *_: Any) -> None:
+        self._wake.set()
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve the DRAPlugin service, then the registration socket (the kubelet dials the
+        endpoint as soon as it sees the registration)."""
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        self.registration_socket.parent.mkdir(parents=True, exist_ok=True)
+        for path, add in ((self.endpoint, dra_grpc.add_DRAPluginServicer_to_server),
+                          (self.registration_socket, reg_grpc.add_RegistrationServicer_to_server)):  # fmt: skip
+            path.unlink(missing_ok=True)
+            server = grpc.aio.server()
+            add(self, server)
+            try:
+                server.add_insecure_port(f"unix://{path}")
+                await server.start()
+            except Exception as exc:
+                await server.stop(None)
+                raise DriverError(f"cannot serve on {path}: {exc}") from exc
+            self._servers.append(server)
+        log.info("DRA driver %s serving on %s, registration at %s", DRIVER, self.endpoint, self.registration_socket)
+
+    async def close(self) -> None:
+        for server in self._servers:
+            await server.stop(0.2)
+        self._servers.clear()
+        for path in (self.registration_socket, self.endpoint):
+            path.unlink(missing_ok=True)
+        await self.binder.close()
+
+    async def GetInfo(self, request, context) -> reg.PluginInfo:
+        return reg.PluginInfo(type=PLUGIN_TYPE, name=DRIVER, endpoint=str(self.endpoint), supported_versions=list(SERVICES))
+
+    async def NotifyRegistrationStatus(self, request, context) -> reg.RegistrationStatusResponse:
+        if request.plugin_registered:
+            log.info("the kubelet registered DRA driver %s", DRIVER)
+            self.registered.set()
+        else:
+            log.error("the kubelet refused DRA driver %s: %s", DRIVER, request.error)
+        return reg.RegistrationStatusResponse()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.start()
+        background = [asyncio.create_task(self.devices.run(), name="dra-devices"),
+                      asyncio.create_task(self.slices.run(), name="dra-slices")]  # fmt: skip
+        try:
+            await self.devices.synced.wait()
+            await self.slices.synced.wait()
+            while True:
+                self._wake.clear()
+                self.devices.changed.clear()
+                self.slices.changed.clear()
+                try:
+                    async with asyncio.timeout(60):
+                        await self.publish()
+                except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
+                    log.warning("DRA pass failed (%s: %s); again in %.0fs", type(exc).__name__, exc, RETRY)
+                    asyncio.get_running_loop().call_later(RETRY, self._wake.set)
+                await self._wait()
+        finally:
+            for task in background:
+                task.cancel()
+            for task in background:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self.close()
+
+    async def _wait(self) -> None:
+        """Until the interval passes, someone triggers, an assignment changes, or our slice
+        changes under us (the kubelet wipes a node's slices when it starts)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.rescan_interval
+        while not self._wake.is_set() and (remaining := deadline - loop.time()) > 0:
+            waits = {asyncio.create_task(e.wait()) for e in (self._wake, self.devices.changed, self.slices.changed)}
+            await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            for task in waits:
+                task.cancel()
+            if self.devices.changed.is_set():
+                self.devices.changed.clear()
+                if self._assignments() != self._seen:
+                    return
+            if self.slices.changed.is_set():
+                self.slices.changed.clear()
+                if self._desired is not None and dra_slice.changed(self._desired, self._live(), self._node_uid):
+                    return
+
+    def _live(self) -> dict[str, Any] | None:
+        return self.slices.objects.get(dra_slice.slice_name(self.node_name))
+
+    def _assignments(self) -> tuple[dict[str, str], frozenset[str]]:
+        objects = self.devices.objects.items()
+        handed = {name: ns for name, obj in objects if (ns := report.handed_out(obj))}
+        claimed = frozenset(name for name, obj in objects if (obj.get("spec") or {}).get("assignedNamespace"))
+        return handed, claimed
+
+    async def publish(self) -> int:
+        """One pass; returns the ResourceSlice writes it made (0 at rest)."""
+        self.passes += 1
+        node = await self.session.request("GET", f"/api/v1/nodes/{self.node_name}")
+        meta = node["metadata"]
+        self._node_uid = meta["uid"]
+        discovery = await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids,
+                                            self.binder.overdue_addresses(), virtual_functions=self.virtual_functions)  # fmt: skip
+        self.discovery = discovery
+        names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
+        self._seen = handed, claimed = self._assignments()
+        published = dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(meta.get("labels")), claimed)
+        self.inventory = dra_slice.by_name(published)
+        self._desired = desired = dra_slice.spec(self.node_name, published)
+        writes = 0
+        live = self._live()
+        if dra_slice.changed(desired, live, self._node_uid):
+            body = dra_slice.body(self.node_name, self._node_uid, desired, live)
+            path = f"/apis/resource.k8s.io/v1/resourceslices/{body['metadata']['name']}"
+            written = await self.session.request("PATCH", path, query={"fieldManager": AGENT_MANAGER, "force": True},
+                                                 body=body, content_type=APPLY_PATCH)  # fmt: skip
+            self.slices.store(written)
+            writes += 1
+            self.writes += 1
+            log.info("published ResourceSlice %s: %d devices (pool generation %d)", body["metadata"]["name"],
+                     len(published), body["spec"]["pool"]["generation"])  # fmt: skip
+        self.published.set()
+        await self._give_back(published)
+        return writes
+
+    async def _give_back(self, published: list[dra_slice.Published]) -> None:
+        """Groups this driver bound that nothing published and no prepared claim needs: back to their drivers."""
+        if not self.bound.devices or self.discovery is None:
+            return
+        needed = {p.device.iommu_group for p in published}
+        needed |= {d["iommu_group"] for claim in self.prepared.values() for d in claim.devices}
+        async with self._lock:
+            for group, members in sorted(self._groups().items()):
+                mine = [a for a in members if a in self.bound]
+                if group in needed or not mine:
+                    continue
+                try:
+                    await self.binder.release(self.sysfs_root, self.dev_root, group, mine, self.bind_timeout,
+                                              {a: self.bound.devices.get(a, "") for a in mine})  # fmt: skip
+                except BindError as exc:
+                    log.warning("giving IOMMU group %d (%s) back failed: %s", group, ", ".join(mine), exc)
+                    continue
+                self.bound.remove(mine)
+                log.info("gave IOMMU group %d (%s) back to its drivers", group, ", ".join(mine))
+
+    def _groups(self) -> dict[int, list[str]]:
+        """IOMMU group -> its non-bridge members, from the last discovery."""
+        groups: dict[int, list[str]] = {}
+        for device in self.discovery.devices if self.discovery else ():
+            if device.iommu_group >= 0 and device.class_code[:2] != BRIDGE_CLASS:
+                groups.setdefault(device.iommu_group, []).append(device.address)
+        return groups
+
+    # -- the DRAPlugin service -------------------------------------------------------------------
+
+    async def NodePrepareResources(self, request, context) -> dra.NodePrepareResourcesResponse:
+        response = dra.NodePrepareResourcesResponse()
+        for claim in request.claims:
+            try:
+                devices = await self._prepare(claim.namespace, claim.name, claim.uid)
+                response.claims[claim.uid].devices.extend(devices)
+            except PrepareError as exc:
+                log.warning("preparing claim %s/%s failed: %s", claim.namespace, claim.name, exc)
+                response.claims[claim.uid].error = str(exc)
+        return response
+
+    async def NodeUnprepareResources(self, request, context) -> dra.NodeUnprepareResourcesResponse:
+        response = dra.NodeUnprepareResourcesResponse()
+        for claim in request.claims:
+            try:
+                await self._unprepare(claim.uid)
+                response.claims[claim.uid].CopyFrom(dra.NodeUnprepareResourceResponse())
+            except PrepareError as exc:
+                log.warning("unpreparing claim %s/%s failed: %s", claim.namespace, claim.name, exc)
+                response.claims[claim.uid].error = str(exc)
+        return response
+
+    async def _prepare(self, namespace: str, name: str, uid: str) -> list[dra.Device]:
+        async with self._lock:
+            if uid in self.prepared:  # a retry, or the kubelet restarted: the same answer
+                return [_device_message(d) for d in self.prepared[uid].devices]
+            claim = await self._claim(namespace, name, uid)
+            results = [r for r in ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []
+                       if r.get("driver") == DRIVER and r.get("pool") == self.node_name]  # fmt: skip
+            if not results:
+                raise PrepareError(f"claim {namespace}/{name} has no device of {DRIVER} on node {self.node_name} allocated")
+            chosen = []
+            for result in results:
+                item = self.inventory.get(result.get("device", ""))
+                if item is None:
+                    raise PrepareError(f"device {result.get('device')} is not one this node offers now (unassigned, gone, or "
+                                       "no longer in the pool): the claim must be allocated again")  # fmt: skip
+                if item.namespace and item.namespace != namespace:
+                    raise PrepareError(f"device {item.name} ({item.device.address}) belongs to namespace {item.namespace}: "
+                                       f"a claim of {namespace} never gets it")  # fmt: skip
+                chosen.append((result, item))
+            groups = self._groups()
+            for group in sorted({item.device.iommu_group for _, item in chosen}):
+                members = groups.get(group, [])
+                try:
+                    _, moved = await self.binder.bind(self.sysfs_root, self.dev_root, group, members, self.bind_timeout)
+                except BindError as exc:
+                    self.bound.add(getattr(exc, "moved", {}))
+                    raise PrepareError(f"binding IOMMU group {group} ({', '.join(members)}) to vfio-pci failed: {exc}") from None
+                self.bound.add(moved)
+            devices = [
+                cdi.PreparedDevice(request=r["request"], pool=self.node_name, name=item.name, address=item.device.address,
+                                   iommu_group=item.device.iommu_group, attributes=dra_slice.attributes(item),
+                                   cdev=self._cdev(item.device.address))
+                for r, item in chosen
+            ]  # fmt: skip
+            prepared = self._write_files(claim, devices)
+            self.prepared[uid] = prepared
+            self._save()
+            log.info("prepared claim %s/%s: %s", namespace, name,
+                     ", ".join(f"{d.name} ({d.address}, IOMMU group {d.iommu_group})" for d in devices))  # fmt: skip
+            return [_device_message(d) for d in prepared.devices]
+
+    async def _claim(self, namespace: str, name: str, uid: str) -> dict[str, Any]:
+        try:
+            claim = await self.session.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
+        except ApiError as exc:
+            raise PrepareError(f"cannot read claim {namespace}/{name}: {exc.status} {exc.reason}") from None
+        if claim["metadata"].get("uid") != uid:
+            raise PrepareError(f"claim {namespace}/{name} was replaced (uid {claim['metadata'].get('uid')}, not {uid})")
+        return claim
+
+    def _write_files(self, claim: dict[str, Any], devices: list[cdi.PreparedDevice]) -> PreparedClaim:
+        meta = claim["metadata"]
+        uid, namespace, name = meta["uid"], meta["namespace"], meta["name"]
+        pod_claim = (meta.get("annotations") or {}).get(cdi.POD_CLAIM_ANNOTATION, "")
+        prepared = PreparedClaim(namespace=namespace, name=name)
+        self.cdi_dir.mkdir(parents=True, exist_ok=True)
+        spec_file = cdi.vfio_spec_file(self.cdi_dir, uid)
+        _write(spec_file, json.dumps(cdi.vfio_spec(uid, devices), indent=2))
+        prepared.files.append(str(spec_file))
+        by_request: dict[str, list[cdi.PreparedDevice]] = {}
+        for device in devices:
+            by_request.setdefault(device.request, []).append(device)
+        for request, members in by_request.items():
+            host = cdi.metadata_host_path(self.plugin_dir, namespace, name, request)
+            host.parent.mkdir(parents=True, exist_ok=True)
+            _write(host, cdi.metadata_stream(DRIVER, claim, request, members))
+            spec = cdi.metadata_spec(DRIVER, uid, request, host, cdi.metadata_container_path(DRIVER, name, request, pod_claim))
+            spec_file = cdi.metadata_spec_file(self.cdi_dir, DRIVER, uid, request)
+            _write(spec_file, json.dumps(spec, indent=2))
+            prepared.files += [str(spec_file), str(host.parent.parent)]
+        ids = cdi.cdi_ids(uid, DRIVER, devices)
+        prepared.devices = [{**asdict(d), "attributes": dict(d.attributes), "cdi_ids": ids[d.name]} for d in devices]
+        return prepared
+
+    async def _unprepare(self, uid: str) -> None:
+        async with self._lock:
+            prepared = self.prepared.get(uid)
+            if prepared is None:
+                return  # never prepared here, or already unprepared: nothing to undo
+            for path in map(Path, prepared.files):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            del self.prepared[uid]
+            self._save()
+            log.info("unprepared claim %s/%s", prepared.namespace, prepared.name)
+        # Its group stays on vfio-pci while the device is published (the next VM starts at once);
+        # the next pass gives back what left passthrough.
+        self.trigger()
+
+    def _cdev(self, address: str) -> str:
+        """The device's iommufd node (`vfio<N>`), only when both it and /dev/iommu exist."""
+        try:
+            names = os.listdir(self.sysfs_root / "bus" / "pci" / "devices" / address / "vfio-dev")
+        except OSError:
+            return ""
+        found = [n for n in names if (self.dev_root / "vfio" / "devices" / n).exists()]
+        return found[0] if found and (self.dev_root / "iommu").exists() else ""
+
+    # -- the checkpoint ------------------------------------------------------------------------
+
+    def _load(self) -> dict[str, PreparedClaim]:
+        path = self.plugin_dir / CHECKPOINT
+        try:
+            data = json.loads(path.read_text())
+            return {uid: PreparedClaim(**claim) for uid, claim in data.items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("%s is unreadable (%s): prepared claims are prepared again when the kubelet asks", path, exc)
+            return {}
+
+    def _save(self) -> None:
+        _write(self.plugin_dir / CHECKPOINT, json.dumps({uid: asdict(c) for uid, c in self.prepared.items()}, indent=2))
+
+
+class PrepareError(RuntimeError):
+    """A claim cannot be prepared (or unprepared) here; the kubelet reports the message on the pod."""
+
+
+def _device_message(device: dict[str, Any]) -> dra.Device:
+    return dra.Device(request_names=[cdi.base_request(device["request"])], pool_name=device["pool"],
+                      device_name=device["name"], cdi_device_ids=device["cdi_ids"])  # fmt: skip
+
+
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all: the runtime may read a CDI spec at any moment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)

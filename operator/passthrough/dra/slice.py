@@ -1,0 +1,149 @@
+"""What the DRA driver publishes: one ResourceSlice per node (resource.k8s.io/v1) listing the
+devices a claim may be allocated, each with its attributes. Pure functions, as `agent.report` is
+for NodePCIDevices: the driver writes only when `changed()` says so, so a rescan of unchanged
+hardware and assignments costs no API write.
+
+Which devices: the same rule as the device plugins' (`agent.plan.wanted`): a device handed out
+to a namespace (the operator's Assigned=True; `passthrough.io/namespace` names it), and, on a
+node in GPU passthrough mode, every other eligible GPU of a pool vendor (`passthrough.io/namespace`
+empty), except in an IOMMU group with a member an admin assigned. An eligible device nobody
+handed out is not published: publishing it would let any claim have a device the operator never
+gave anyone, and NodePrepareResources would bind it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from passthrough.agent.plan import wanted
+from passthrough.api.labels import NODE_LABEL
+from passthrough.pci.discovery import Device
+
+DRIVER = "pci.passthrough.io"
+DOMAIN = "passthrough.io"  # our attributes: passthrough.io/namespace, ...
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"  # the standard attribute KubeVirt reads the address from
+API_VERSION = "resource.k8s.io/v1"
+PLURAL = "resourceslices"
+STRING_MAX = 64  # a string attribute's value, at most (the API server refuses longer)
+NAME_MAX = 253
+
+
+@dataclass(frozen=True)
+class Published:
+    """One device in the slice: what it is, and whom it is for ("" = the pool, any namespace)."""
+
+    device: Device
+    object_name: str  # its NodePCIDevice
+    namespace: str
+
+    @property
+    def name(self) -> str:
+        return device_name(self.device.address)
+
+
+def device_name(address: str) -> str:
+    """The device's name in the slice (a DNS label): `pci-0000-3b-00-0` for 0000:3b:00.0."""
+    return "pci-" + address.lower().replace(":", "-").replace(".", "-")
+
+
+def slice_name(node_name: str) -> str:
+    """One slice per node, named for it and the driver (a hash where that would be too long)."""
+    name = f"{node_name}-{DRIVER}"
+    if len(name) <= NAME_MAX:
+        return name
+    return f"{DRIVER}-{hashlib.sha1(node_name.encode()).hexdigest()}"
+
+
+def publishable(
+    devices: Iterable[Device],
+    assignments: Mapping[str, str],
+    names: Mapping[str, str],
+    in_gpu_mode: bool,
+    claimed: Container[str] = frozenset(),
+) -> list[Published]:
+    """`assignments`: object name -> the namespace it is handed out to (only those); `names`:
+    address -> object name; `claimed`: object names an admin assigned, handed out or not."""
+    devices = sorted(devices, key=lambda d: d.address)
+    unpooled = {d.iommu_group for d in devices if d.iommu_group >= 0 and names.get(d.address, "") in claimed}
+    found = []
+    for device in devices:
+        name = names.get(device.address, "")
+        namespace = assignments.get(name, "")
+        if namespace:
+            if wanted(device, namespace, in_gpu_mode, serve_pools=True):
+                found.append(Published(device, name, namespace))
+        elif device.iommu_group not in unpooled and wanted(device, "", in_gpu_mode, serve_pools=True):
+            found.append(Published(device, name, ""))
+    return found
+
+
+def _string(value: str) -> dict[str, str]:
+    return {"string": value[:STRING_MAX]}
+
+
+def attributes(item: Published) -> dict[str, dict[str, Any]]:
+    """A device's attributes, by qualified name, as a ResourceSlice holds them."""
+    d = item.device
+    return {
+        PCI_BUS_ID: _string(d.address),
+        f"{DOMAIN}/vendorID": _string(d.vendor_id),
+        f"{DOMAIN}/deviceID": _string(d.device_id),
+        f"{DOMAIN}/class": _string(d.class_code),
+        f"{DOMAIN}/iommuGroup": {"int": d.iommu_group},
+        f"{DOMAIN}/numaNode": {"int": d.numa_node},
+        f"{DOMAIN}/model": _string(d.name),
+        f"{DOMAIN}/resourceName": _string(d.resource_name),  # the pool's name (nvidia.com/GA102GL_A10), "" when none
+        f"{DOMAIN}/namespace": _string(item.namespace),
+        f"{DOMAIN}/nodePCIDevice": _string(item.object_name),
+    }
+
+
+def spec(node_name: str, published: Iterable[Published]) -> dict[str, Any]:
+    """The slice's spec without the pool's generation (which counts our changes)."""
+    return {
+        "driver": DRIVER,
+        "nodeName": node_name,
+        "pool": {"name": node_name, "resourceSliceCount": 1},
+        "devices": [{"name": item.name, "attributes": attributes(item)} for item in sorted(published, key=lambda p: p.name)],
+    }
+
+
+def body(node_name: str, node_uid: str, desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
+    """The whole object to apply: `desired` (from `spec`), the pool's generation one past the live
+    one, owned by the Node (a deleted Node takes its slice along, as the kubelet's helper does)."""
+    generation = int((((live or {}).get("spec") or {}).get("pool") or {}).get("generation") or 0) + 1
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ResourceSlice",
+        "metadata": {
+            "name": slice_name(node_name),
+            "labels": {NODE_LABEL: node_name},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}],
+        },
+        "spec": {**desired, "pool": {**desired["pool"], "generation": generation}},
+    }
+
+
+def changed(desired: dict[str, Any], live: dict[str, Any] | None, node_uid: str) -> bool:
+    """Whether the live slice differs from `desired` in anything we write (or is owned by an
+    earlier Node of that name)."""
+    if live is None:
+        return True
+    owners = (live.get("metadata") or {}).get("ownerReferences") or []
+    if not any(o.get("kind") == "Node" and o.get("uid") == node_uid for o in owners):
+        return True
+    have = live.get("spec") or {}
+    pool = have.get("pool") or {}
+    if (have.get("driver"), have.get("nodeName"), pool.get("name"), pool.get("resourceSliceCount")) != (
+        desired["driver"], desired["nodeName"], desired["pool"]["name"], desired["pool"]["resourceSliceCount"]
+    ):  # fmt: skip
+        return True
+    devices = [{"name": d.get("name"), "attributes": d.get("attributes") or {}} for d in have.get("devices") or []]
+    return devices != desired["devices"]
+
+
+def by_name(published: Iterable[Published]) -> dict[str, Published]:
+    return {item.name: item for item in published}

@@ -1,0 +1,197 @@
+"""DRA mode against the real parts: a claim gets its device through the agent's DRA driver.
+
+The real kubelet (its DRA manager, its plugin watcher) with the fake CRI runtime, the real
+kube-scheduler (its DRA allocator) and the API server; the agent runs `--dra` as its own process
+over a fixture GPU node whose simulated kernel (`e2e.fakekernel`) moves `driver` links and
+creates `/dev/vfio/<group>` as the bind sequence is written. The fake runtime records the CDI
+device names of each CreateContainer; they are resolved here against the CDI specs the driver
+wrote, as a CDI-enabled containerd or CRI-O does.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from kubernetes_asyncio import client
+
+from e2e import fakesysfs, support
+from e2e.fakekernel import FakeKernel
+from e2e.processes import AgentProcess
+from e2e.support import created, device_names
+from passthrough.dra import cdi
+from passthrough.dra.slice import DRIVER, PCI_BUS_ID, slice_name
+from passthrough.kube.client import session_of
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[2]
+PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
+GPU = "0000:af:00.0"
+AUDIO = "0000:af:00.1"
+GROUP = 21
+RESOURCE = "/apis/resource.k8s.io/v1"
+
+
+@pytest.fixture(scope="module")
+def gpu_host(tmp_path_factory):
+    host = fakesysfs.gpu_node(tmp_path_factory.mktemp("gpu-host"))
+    with FakeKernel(host) as kernel:
+        yield host, kernel
+
+
+@pytest.fixture(scope="module")
+def kubelet(module_kubelet_nodes, kube_scheduler):
+    return module_kubelet_nodes()
+
+
+def cdi_dir(kubelet) -> Path:
+    return kubelet.var_dir / "run" / "cdi"  # what the runtime sees as /var/run/cdi
+
+
+@pytest.fixture(scope="module")
+def agent(cluster, kubelet, gpu_host, tmp_path_factory, operator):
+    host, _ = gpu_host
+    proc = AgentProcess(cluster, tmp_path_factory.mktemp("agent") / "agent.log", kubelet.node_name, host, PCI_IDS,
+                        "--dra", f"--kubelet-dir={kubelet.root_dir}", f"--cdi-dir={cdi_dir(kubelet)}",
+                        "--rescan-interval=1s", kubelet=kubelet).start()  # fmt: skip
+    yield proc
+    code = proc.stop()
+    output = proc.output()
+    assert code == 0 and "Traceback" not in output, output[-5000:]
+    assert not (kubelet.root_dir / "plugins_registry" / f"{DRIVER}-reg.sock").exists()
+
+
+async def live_slice(api, kubelet) -> dict | None:
+    try:
+        return await session_of(api).request("GET", f"{RESOURCE}/resourceslices/{slice_name(kubelet.node_name)}")
+    except Exception:
+        return None
+
+
+async def published(api, kubelet, agent, want: dict[str, str]) -> dict:
+    """Until the node's slice lists exactly `want` (device name -> passthrough.io/namespace)."""
+
+    async def matches():
+        found = await live_slice(api, kubelet)
+        devices = {d["name"]: d["attributes"]["passthrough.io/namespace"]["string"] for d in ((found or {}).get("spec") or {}).get("devices") or []}
+        return found if devices == want else None
+
+    return await support.wait_for(matches, 30, 0.2, what=f"ResourceSlice with {want}; agent log:\n{agent.output()[-3000:]}")
+
+
+def claim_pod(name: str, claim: str) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {
+            "automountServiceAccountToken": False, "terminationGracePeriodSeconds": 0,
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+            "containers": [{"name": "compute", "image": "virt-launcher:test", "env": [{"name": "MARK", "value": name}],
+                            "resources": {"claims": [{"name": "gpu"}]}}],
+        },
+    }  # fmt: skip
+
+
+async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_it_through_cdi(
+    api, kubelet, agent, gpu_host, namespace, unique
+):
+    host, _ = gpu_host
+    session = session_of(api)
+    names = await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
+    # Nothing handed out, the node not in GPU mode: nothing to offer, and nothing bound.
+    await published(api, kubelet, agent, {})
+    await support.assign(api, names[GPU], namespace)
+    found = await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
+    [device] = found["spec"]["devices"]
+    assert device["attributes"][PCI_BUS_ID] == {"string": GPU}
+    assert device["attributes"]["passthrough.io/iommuGroup"] == {"int": GROUP}
+    assert device["attributes"]["passthrough.io/vendorID"] == {"string": "10de"}
+    assert device["attributes"]["passthrough.io/numaNode"] == {"int": 1}
+    assert found["spec"]["pool"]["name"] == kubelet.node_name and found["spec"]["nodeName"] == kubelet.node_name
+    assert host.driver(GPU) == "nvidia"  # bound at prepare, not before
+
+    device_class = f"passthrough-{unique}"
+    await session.request("POST", f"{RESOURCE}/deviceclasses", body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": device_class},
+        "spec": {"selectors": [{"cel": {"expression":
+            f'device.driver == "{DRIVER}" && device.attributes["passthrough.io"].namespace == "{namespace}"'}}]},
+    })  # fmt: skip
+    try:
+        await session.request("POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaims", body={
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "vm-gpu"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}},
+        })  # fmt: skip
+        await support.create_pod(api, namespace, claim_pod("vm-launcher", "vm-gpu"))
+        container = await created(client.CoreV1Api(api), namespace, kubelet, "vm-launcher", timeout=60)
+
+        claim = await session.request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/vm-gpu")
+        [result] = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"], result["device"]) == (DRIVER, kubelet.node_name, "pci-0000-af-00-0")
+        uid = claim["metadata"]["uid"]
+        assert sorted(container["cdi_devices"]) == sorted([f"passthrough.io/vfio={uid}-pci-0000-af-00-0",
+                                                           f"{DRIVER}/metadata={uid}_gpu"])  # fmt: skip
+        edits = cdi.resolve(cdi_dir(kubelet), container["cdi_devices"])
+        assert [n["path"] for n in edits["deviceNodes"]] == ["/dev/vfio/vfio", f"/dev/vfio/{GROUP}"]
+        # The whole IOMMU group went to vfio-pci, the audio function too, and /dev/vfio/<group> is there.
+        assert (host.driver(GPU), host.driver(AUDIO)) == ("vfio-pci", "vfio-pci")
+        assert (host.root / "dev" / "vfio" / str(GROUP)).exists()
+
+        [mount] = edits["mounts"]
+        assert mount["containerPath"] == f"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-gpu/gpu/{DRIVER}-metadata.json"
+        decoder, text, objects = json.JSONDecoder(), Path(mount["hostPath"]).read_text(), []
+        index = 0
+        while text[index:].strip():
+            obj, index = decoder.raw_decode(text, index + (len(text[index:]) - len(text[index:].lstrip())))
+            objects.append(obj)
+        assert [o["apiVersion"] for o in objects] == ["metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1"]
+        for obj in objects:
+            [request] = obj["requests"]
+            [meta_device] = request["devices"]
+            assert (request["name"], meta_device["driver"], meta_device["name"]) == ("gpu", DRIVER, "pci-0000-af-00-0")
+            assert meta_device["attributes"][PCI_BUS_ID] == {"string": GPU}
+            assert obj["metadata"]["uid"] == uid
+
+        # The pod ends: the kubelet unprepares, the claim's files go; the group stays on vfio-pci
+        # while the device is handed out, and goes back once it is not.
+        await support.delete_pod(api, namespace, "vm-launcher")
+
+        async def unprepared():
+            return not list(cdi_dir(kubelet).glob(f"*{uid}*"))
+
+        await support.wait_for(unprepared, 30, what=f"the claim's CDI specs removed; agent log:\n{agent.output()[-3000:]}")
+        assert not Path(mount["hostPath"]).exists()
+        assert host.driver(GPU) == "vfio-pci"
+    finally:
+        await session.request("DELETE", f"{RESOURCE}/deviceclasses/{device_class}")
+    await support.assign(api, names[GPU], "")
+    await published(api, kubelet, agent, {})
+
+    async def given_back():
+        return (host.driver(GPU), host.driver(AUDIO)) == ("nvidia", "snd_hda_intel")
+
+    await support.wait_for(given_back, 30, what=f"group {GROUP} given back; agent log:\n{agent.output()[-3000:]}")
+
+
+async def test_the_resource_slice_at_rest_gets_no_write_per_rescan(api, kubelet, agent, gpu_host, namespace):
+    names = await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
+    await support.assign(api, names[GPU], namespace)
+    await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
+    await support.quiet(api, ("resourceslices",))
+    before = await support.write_counts(api)
+    generation = (await live_slice(api, kubelet))["spec"]["pool"]["generation"]
+    for _ in range(5):  # rescans every second, and on each SIGHUP
+        agent.proc.send_signal(signal.SIGHUP)
+        await support.wait_for(lambda: _sleep(1.0), 5)
+    after = await support.write_counts(api)
+    assert support.writes_between(before, after, "resourceslices") == 0, support.diff(before, after)
+    assert (await live_slice(api, kubelet))["spec"]["pool"]["generation"] == generation
+    await support.assign(api, names[GPU], "")
+    await published(api, kubelet, agent, {})
+
+
+async def _sleep(seconds: float) -> bool:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    return True
