@@ -4,8 +4,9 @@
 
 Every node has its own Agent, API client and fixture tree of --devices-per-node GPUs (as
 `bench_agent.gpu_host` builds them), all in this process and event loop. What each figure means:
-- agents start --starting (100) at a time: each waits for a slot, freed when an agent's first
-  scan is done; all 1,000 at once lag this one event loop past the agents' own timeouts.
+- agents start all at once, as a DaemonSet's do after a cluster's restart, each with the
+  agent's own start-up jitter (a random wait of up to --start-jitter, 10 s as
+  `passthrough agent` in a pod, before its first request).
 - first report: the time from the agents' start until a watch on NodePCIDevices (started
   before them) has seen every device with its status; the writes the API server counted,
   by resource and subresource (per device: the object, then its status, 2 when nothing is
@@ -42,7 +43,7 @@ import psutil  # noqa: E402
 from e2e import cluster, fakesysfs, support  # noqa: E402
 from e2e.bench.bench_agent import gpu_host  # noqa: E402
 from passthrough.agent import metrics  # noqa: E402
-from passthrough.agent.loop import CONNECTIONS, Agent, ScanResult  # noqa: E402
+from passthrough.agent.loop import CONNECTIONS, START_JITTER, Agent, ScanResult  # noqa: E402
 from passthrough.kube.connect import connect, session  # noqa: E402
 from passthrough.kube.custom import Custom  # noqa: E402
 from passthrough.pci.pciids import PciIds  # noqa: E402
@@ -74,12 +75,8 @@ def record_scans(agent: Agent, first_done: Callable[[], None]) -> list[ScanResul
 class Fleet:
     """One running Agent per node, each with its own API session, as separate agent pods would have."""
 
-    def __init__(self, kubeconfig: Path, hosts: dict[str, fakesysfs.FakeHost], pci_ids: PciIds, starting: int) -> None:
-        self.kubeconfig, self.hosts, self.pci_ids = kubeconfig, hosts, pci_ids
-        # At most `starting` agents between their start and their first scan done: 1,000 starting
-        # at once in one event loop lag it past the agents' own timeouts (a watch's 10 s to
-        # connect, a scan's 60 s), and their retries feed the lag.
-        self.gate = asyncio.Semaphore(starting)
+    def __init__(self, kubeconfig: Path, hosts: dict[str, fakesysfs.FakeHost], pci_ids: PciIds, jitter: float) -> None:
+        self.kubeconfig, self.hosts, self.pci_ids, self.jitter = kubeconfig, hosts, pci_ids, jitter
         self.clients: list = []
         self.agents: list[Agent] = []
         self.tasks: list[asyncio.Task] = []
@@ -89,14 +86,10 @@ class Fleet:
         self.clients = [await session(str(self.kubeconfig), connections=CONNECTIONS) for _ in self.hosts]  # as `passthrough agent` does
 
     def start(self) -> None:
-        self.agents = [Agent(api, name, host.sysfs, host.proc, self.pci_ids, rescan_interval=3600)
+        self.agents = [Agent(api, name, host.sysfs, host.proc, self.pci_ids, rescan_interval=3600, start_jitter=self.jitter)
                        for api, (name, host) in zip(self.clients, self.hosts.items(), strict=True)]  # fmt: skip
-        self.scans = [record_scans(agent, self.gate.release) for agent in self.agents]
-        self.tasks = [asyncio.create_task(self._run(agent)) for agent in self.agents]
-
-    async def _run(self, agent: Agent) -> None:
-        await self.gate.acquire()  # released by its first scan done
-        await agent.run()
+        self.scans = [record_scans(agent, lambda: None) for agent in self.agents]
+        self.tasks = [asyncio.create_task(agent.run()) for agent in self.agents]
 
     def check(self) -> None:
         for task in self.tasks:
@@ -210,7 +203,7 @@ async def create_nodes(api, names: list[str]) -> None:
 
 
 async def bench_fleet(local: cluster.LocalCluster, hosts: dict[str, fakesysfs.FakeHost], per_node: int, rounds: int,
-                      pci_ids: PciIds, starting: int) -> None:  # fmt: skip
+                      pci_ids: PciIds, jitter: float) -> None:  # fmt: skip
     api = await connect(str(local.kubeconfig))
     meter = Meter(api, local)
     watcher = Reported(api)
@@ -221,10 +214,11 @@ async def bench_fleet(local: cluster.LocalCluster, hosts: dict[str, fakesysfs.Fa
         await create_nodes(api, list(hosts))
         print(f"nodes created:            {nodes} in {time.monotonic() - started:.1f} s")
         print(f"fleet:                    {nodes} nodes x {per_node} devices = {total} NodePCIDevices, "
-              f"one agent and API client per node in one event loop, at most {starting} of them starting at once")
+              f"one agent and API client per node in one event loop, all started at once, each waiting up to "
+              f"{jitter:g} s at random before its first request (the agent's start-up jitter)")
 
         await support.quiet(api, WATCHED, settle=1)
-        fleet = Fleet(local.kubeconfig, hosts, pci_ids, starting)
+        fleet = Fleet(local.kubeconfig, hosts, pci_ids, jitter)
         started = time.monotonic()
         await fleet.connect()
         print(f"API clients:              {nodes} made in {time.monotonic() - started:.1f} s (kubeconfig read, "
@@ -265,7 +259,7 @@ async def bench_fleet(local: cluster.LocalCluster, hosts: dict[str, fakesysfs.Fa
         await fleet.stop()
 
         await support.quiet(api, WATCHED, settle=1)
-        restarted = Fleet(local.kubeconfig, hosts, pci_ids, starting)
+        restarted = Fleet(local.kubeconfig, hosts, pci_ids, jitter)
         await restarted.connect()
         await meter.start()
         started = time.monotonic()
@@ -290,7 +284,8 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node (at most 239)")
     parser.add_argument("--rounds", type=int, default=3, help="no-op rescan rounds")
-    parser.add_argument("--starting", type=int, default=100, help="agents at most between start and first scan done")
+    parser.add_argument("--start-jitter", type=float, default=START_JITTER,
+                        help=f"each agent's start-up jitter, seconds at most (default {START_JITTER:g}, as in a pod)")
     parser.add_argument("--pci-ids", type=Path, default=REPO / "e2e/data/pci.ids.2025-07-11")
     args = parser.parse_args()
 
@@ -310,7 +305,7 @@ def main() -> int:
         print(f"fixture trees:            {args.nodes} built in {time.monotonic() - started:.1f} s under {tree_root}")
         local = cluster.start(root / "controlplane")
         try:
-            asyncio.run(bench_fleet(local, hosts, args.devices_per_node, args.rounds, PciIds.load(args.pci_ids), args.starting))
+            asyncio.run(bench_fleet(local, hosts, args.devices_per_node, args.rounds, PciIds.load(args.pci_ids), args.start_jitter))
         finally:
             local.stop()
     print(f"peak RSS:                 {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB "

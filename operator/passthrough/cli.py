@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-name", default="", help="this node's name (default: $NODE_NAME)")
     _add_host_roots(p)
     p.add_argument("--rescan-interval", default="5m", metavar="DURATION", help="periodic rescan (default 5m)")
+    p.add_argument("--start-jitter", metavar="DURATION",
+                   help="wait up to this long, at random, before the first request, so that a DaemonSet's agents "
+                   "starting together reach the API server spread out (default 10s in a pod, 0 elsewhere)")  # fmt: skip
     p.add_argument("--no-hotplug", dest="hotplug", action="store_false", help="do not listen for kernel hotplug events")
     p.add_argument("--dev-root", default="/dev", metavar="DIR", help="where /dev/vfio is found (default /dev)")
     p.add_argument(

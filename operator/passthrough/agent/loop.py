@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,10 @@ CONNECTIONS = 8
 WRITES_AT_ONCE = 4
 SCAN_TIMEOUT = 60.0  # seconds one scan may take, its API requests included
 HELD_RECHECK = 5.0  # seconds between asking the kubelet whether a device to give back is still held
+# A DaemonSet's agents start together (a cluster's restart, an upgrade's rollout): each waits
+# up to this long, at random, before its first request, so the API server meets them spread out
+# (`passthrough agent --start-jitter`; an Agent made in a test starts at once).
+START_JITTER = 10.0
 
 
 class AgentError(RuntimeError):
@@ -71,6 +76,7 @@ class Agent:
         concurrency: int = WRITES_AT_ONCE,
         handover: Handover | None = None,
         virtual_functions: bool = False,
+        start_jitter: float = 0.0,
     ) -> None:
         if not node_name:
             raise AgentError("no node name: pass --node-name or set NODE_NAME (the agent reports the devices of one node)")
@@ -89,9 +95,11 @@ class Agent:
         self._logged: set[str] = set()
         self._assignments: dict[str, str] = {}  # object name -> namespace it is handed out to
         self._claimed: frozenset[str] = frozenset()  # object names an admin assigned, handed out or not
+        self._holders: dict[str, tuple] | None = None  # address -> the pods holding it, this scan (None: unknown)
         self._node_labels: dict[str, str] = {}
         self.handover = handover
         self.virtual_functions = virtual_functions  # SR-IOV VFs reported too (an admin's opt-in)
+        self.start_jitter = start_jitter
         if handover is not None:
             handover.on_change = self.trigger  # a late write returned, or a served device's health flipped
             handover.admit = self.admit
@@ -115,6 +123,7 @@ class Agent:
             raise AgentError(str(exc)) from None
 
     async def run(self) -> None:
+        await asyncio.sleep(random.uniform(0, self.start_jitter))  # see START_JITTER
         await self.preflight()
         for problem in (self.pci_ids.problem, self.pci_ids.damage_report):
             if problem:
@@ -235,6 +244,7 @@ class Agent:
         result.writes += await self._label_node(node, discovery)
 
         self._assignments, self._claimed = self._assignment_view()
+        self._holders = None
         outcome = Outcome()
         if self.handover is not None:
             discovery, outcome = await self._hand_over(discovery)
@@ -270,6 +280,7 @@ class Agent:
         in_gpu_mode = node_plan.gpu_mode(self._node_labels)
         serve_pools = self.handover.serve_pools
         view = await self.handover.look()
+        self._holders = view.holders if view is not None else None  # reported in status.holders
         others = served_elsewhere(view, self.handover.plugins.resources)
         context = {"claimed": self._claimed, "holders": view.holders if view else None, "others": others}
         wanted = node_plan.plan(discovery.devices, self._assignments, names, in_gpu_mode, serve_pools,
@@ -372,7 +383,8 @@ class Agent:
     ) -> None:
         live = self.mirror.objects.get(name)
         assigned = ((live or {}).get("spec") or {}).get("assignedNamespace", "")
-        desired = report.present_status(device, name, self.node_name, assigned, failure)
+        held = self._holders.get(device.address, ()) if self._holders is not None else None
+        desired = report.present_status(device, name, self.node_name, assigned, failure, held)
         self._attributes[name] = desired["attributes"]  # for a NotFound write, should this status never land
         if not device.eligible:
             self._log_once(f"{name}:{device.reason}", "%s (%s) is not eligible: %s", device.address, name, device.reason)

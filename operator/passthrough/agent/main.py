@@ -24,7 +24,7 @@ from passthrough.pci.pciids import PciIds
 log = logging.getLogger("passthrough.agent")
 
 
-async def _main(args: argparse.Namespace, rescan: float, deadline: float) -> int:
+async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter: float = 0.0) -> int:
     api = await session(args.kubeconfig, connections=CONNECTIONS)
     endpoint = None
     try:
@@ -48,6 +48,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float) -> int
             rescan_interval=rescan,
             virtual_functions=args.sriov_virtual_functions,
             handover=handover,
+            start_jitter=jitter,
         )
         AGENT_STATE.plugins = lambda: handover.plugins if handover is not None else None
         try:
@@ -119,7 +120,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"passthrough agent: --write-deadline: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_main(args, rescan, deadline))
+        # In a pod, a DaemonSet's: its agents start together. Elsewhere (a developer's, a test's) at once.
+        in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        text = args.start_jitter or ("10s" if in_pod else "0")
+        jitter = 0.0 if text.strip() in ("0", "0s") else parse_duration(text)
+    except DurationError as exc:
+        print(f"passthrough agent: --start-jitter: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args, rescan, deadline, jitter))
     except (AgentError, CannotStart) as exc:
         print(f"passthrough agent: {exc}", file=sys.stderr)
         return 1
