@@ -125,3 +125,27 @@ def test_a_pod_asks_for_a_resource_in_its_limits_or_requests_of_any_container():
                     "containers": [{"resources": {"limits": {"passthrough.io/pci-b": "1"}}}, {}]}}  # fmt: skip
     assert report.requests(pod, "passthrough.io/pci-a") and report.requests(pod, "passthrough.io/pci-b")
     assert not report.requests(pod, "passthrough.io/pci-c") and not report.requests({}, "passthrough.io/pci-a")
+
+
+def test_the_pods_that_hold_a_device_are_reported_and_a_kubelet_that_cannot_say_changes_nothing():
+    from passthrough.deviceplugin.holder import Holder
+
+    device = gpu("0000:3b:00.0")
+    name = report.object_name(device, NODE.name)
+    held = [Holder("team-a", "virt-launcher-vm1", f"passthrough.io/{name}")] * 2  # two containers of one pod
+    desired = report.present_status(device, name, NODE.name, "team-a", holders=held)
+    body = report.status_body(name, desired, None)
+    assert body["status"]["holders"] == [{"namespace": "team-a", "pod": "virt-launcher-vm1", "resource": f"passthrough.io/{name}"}]
+    live = live_after_apply(body)
+    assert not report.changed(desired, live)
+    # The kubelet cannot be asked this scan: the object keeps what it said, no write for that.
+    unknown = report.present_status(device, name, NODE.name, "team-a", holders=None)
+    assert not report.changed(unknown, live)
+    assert report.status_body(name, unknown, live)["status"]["holders"] == body["status"]["holders"]
+    # The pod ended: a write, which leaves the field out (server-side apply removes it).
+    free = report.present_status(device, name, NODE.name, "team-a", holders=())
+    assert report.changed(free, live) and "holders" not in report.status_body(name, free, live)["status"]
+    assert not report.changed(free, live_after_apply(report.status_body(name, free, live)))
+    # Never more than the CRD takes.
+    many = [Holder("ns", f"pod-{i:03d}", "r") for i in range(100)]
+    assert len(report.present_status(device, name, NODE.name, "", holders=many)["holders"]) == 16

@@ -213,3 +213,16 @@ def test_a_misspelt_name_of_the_values_is_not_buried_under_the_unused_default_mo
     # Every default model but the A10 is advertised by no node: counted, not listed.
     pooled = [d for d in default_table() if d.get("externalResourceProvider", True)]
     assert status["unusedDefaultModels"] == len(pooled) - 1 > 10
+
+
+def test_the_models_kubevirt_serves_itself_come_from_the_rendered_allow_list_or_before_it_the_values():
+    from passthrough.controller.kubevirt_sync import served_by_kubevirt
+
+    values = config(SERVED_BY_KUBEVIRT)
+    assert served_by_kubevirt(None, None) == {}
+    before = served_by_kubevirt(values, None)
+    assert before == {"10de:2236": "nvidia.com/A10"}
+    plan = plan_sync(values, KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset()), [], [], None, NOW)
+    assert served_by_kubevirt(values, plan.rendered) == before
+    # The values changed but are invalid: KubeVirt keeps the last good allow-list, and so do we.
+    assert served_by_kubevirt(config({"gpu": {"variant": "nonsense"}}), plan.rendered) == before

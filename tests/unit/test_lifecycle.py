@@ -9,9 +9,10 @@ import pytest
 
 from passthrough.controller import lifecycle as lc
 from passthrough.controller.lifecycle import Cond
+from passthrough.pci.naming import node_pci_device_name
 
 NOW = datetime.datetime(2026, 11, 29, 12, 0, 0, tzinfo=datetime.UTC)
-NAME = "pci-0123456789abcdef0123456789abcdef01234567"
+NAME = node_pci_device_name("0000:3b:00.0", "10de", "2236", "gpu-1")  # the name its agent gives it
 RESOURCE = f"passthrough.io/{NAME}"
 READY = Cond("True", "Ready", "The device can be passed through.", "2026-11-29T11:00:00Z")
 ATTRS = {"pciAddress": "0000:3b:00.0", "vendorID": "10de", "deviceID": "2236", "class": "030200", "nodeName": "gpu-1"}
@@ -612,3 +613,121 @@ def test_shared_interns_strings_at_every_depth_and_keeps_other_values():
     out = lc.shared(value)
     assert out == value
     assert out["a"][0]["b"] is out["c"]["d"]
+
+
+# -- issue 18: forged names, models KubeVirt serves, namespaces made after an assignment, holders ---
+
+
+def test_a_node_device_not_named_for_its_attributes_is_ignored_and_flagged():
+    forged = dataclasses.replace(node_device("team-a"), name="pci-" + "0" * 40)
+    w = dataclasses.replace(world(forged), name=forged.name)
+    plan = lc.decide(w)
+    assert of(plan, lc.ApplyDevice) == [] and of(plan, lc.ApplyDeviceStatus) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "NameMismatch")
+    assert NAME in assigned["message"] and f"kubectl delete npci {forged.name}" in assigned["message"]
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "NameMismatch")]
+    # Unassigned, it is flagged all the same; and one handed out before loses its PCIDevice.
+    unassigned = dataclasses.replace(w, node_device=dataclasses.replace(forged, assigned_namespace=""))
+    assert npci_conditions(lc.decide(unassigned))["Assigned"]["reason"] == "NameMismatch"
+    assert [e.reason for e in lc.decide(unassigned).events] == ["NameMismatch"]
+    handed = dataclasses.replace(w, devices=(device("team-a"),))
+    assert [d.namespace for d in of(lc.decide(handed), lc.DeleteDevice)] == ["team-a"]
+
+
+def test_a_node_device_whose_attributes_moved_to_another_node_is_misnamed():
+    moved = dataclasses.replace(node_device("team-a"), attributes={**ATTRS, "nodeName": "gpu-2"})
+    assert npci_conditions(lc.decide(world(moved)))["Assigned"]["reason"] == "NameMismatch"
+
+
+def test_a_model_kubevirts_own_plugin_serves_is_not_handed_out():
+    w = dataclasses.replace(world(node_device("team-a")), served_by_kubevirt={"10de:2236": "nvidia.com/GA102GL_A10"})
+    plan = lc.decide(w)
+    assert of(plan, lc.ApplyDevice) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "ServedByKubeVirt")
+    assert "nvidia.com/GA102GL_A10" in assigned["message"] and "externalResourceProvider: true" in assigned["message"]
+    assert any(e.type == "Warning" and e.reason == "ServedByKubeVirt" for e in plan.events)
+    # Unassigned, the model's entry is no concern of this device.
+    unassigned = dataclasses.replace(w, node_device=node_device(""))
+    assert npci_conditions(lc.decide(unassigned))["Assigned"]["reason"] == "Available"
+
+
+def _tenant_world(created: str, assigned_at: str, confirmed: str = "", confirm: bool = True) -> lc.World:
+    npci = dataclasses.replace(node_device("team-a"), assigned_at=assigned_at, confirmed_uid=confirmed)
+    return dataclasses.replace(world(npci), namespace_uids={"team-a": "uid-a"}, namespace_created={"team-a": created},
+                               confirm_new_namespaces=confirm)
+
+
+def test_with_confirm_new_namespaces_a_namespace_made_after_the_assignment_waits_for_a_device_admin():
+    w = _tenant_world(created="2026-11-29T11:30:00Z", assigned_at="2026-11-29T11:00:00Z")
+    plan = lc.decide(w)
+    assert of(plan, lc.ApplyDevice) == []
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "NamespaceNotConfirmed")
+    patch = f"""kubectl patch npci {NAME} --type=merge -p '{{"spec":{{"confirmedNamespaceUID":"uid-a"}}}}'"""
+    assert patch in assigned["message"]
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "NamespaceNotConfirmed")]
+    # Made in the same second: the admin is asked too.
+    assert lc.decide(_tenant_world("2026-11-29T11:00:00Z", "2026-11-29T11:00:00Z")).writes[0].body["status"]["conditions"][0]["reason"] == "NamespaceNotConfirmed"
+    # Confirmed by its uid: handed out, and recorded with that uid.
+    confirmed = converge(_tenant_world("2026-11-29T11:30:00Z", "2026-11-29T11:00:00Z", confirmed="uid-a"))
+    assert [d.namespace for d in confirmed.devices] == ["team-a"]
+    assert confirmed.node_device.handed_to == ("team-a", "uid-a") and confirmed.node_device.assigned.reason == "Assigned"
+    # A confirmation of another namespace's uid (the one deleted since) confirms nothing.
+    other = lc.decide(_tenant_world("2026-11-29T11:30:00Z", "2026-11-29T11:00:00Z", confirmed="uid-old"))
+    assert "spec.confirmedNamespaceUID is uid-old" in npci_conditions(other)["Assigned"]["message"]
+
+
+def test_with_confirm_new_namespaces_a_namespace_older_than_the_assignment_or_already_served_needs_nothing():
+    older = _tenant_world(created="2026-11-29T10:00:00Z", assigned_at="2026-11-29T11:00:00Z")
+    assert npci_conditions(lc.decide(older))["Assigned"]["reason"] == "Assigned"
+    # Handed out before the setting was turned on: it stays.
+    served = converge(_tenant_world("2026-11-29T11:30:00Z", "2026-11-29T11:00:00Z", confirm=False))
+    turned_on = dataclasses.replace(served, confirm_new_namespaces=True)
+    assert lc.decide(turned_on).writes == []
+    # Without the setting, nothing is asked.
+    assert npci_conditions(lc.decide(_tenant_world("2026-11-29T11:30:00Z", "", confirm=False)))["Assigned"]["reason"] == "Assigned"
+    # An assignment with no record of when it was written is asked about.
+    unknown = _tenant_world("2026-11-29T10:00:00Z", "")
+    assert npci_conditions(lc.decide(unknown))["Assigned"]["reason"] == "NamespaceNotConfirmed"
+
+
+def test_a_namespace_made_again_is_given_the_device_once_a_device_admin_confirms_its_uid():
+    handed = converge(dataclasses.replace(world(node_device("team-a")), namespace_uids={"team-a": "uid-1"}))
+    again = dataclasses.replace(handed, devices=(), namespace_uids={"team-a": "uid-2"})
+    assert npci_conditions(lc.decide(again))["Assigned"]["reason"] == "NamespaceRecreated"
+    confirmed = converge(dataclasses.replace(again, node_device=dataclasses.replace(again.node_device, confirmed_uid="uid-2")))
+    assert confirmed.node_device.handed_to == ("team-a", "uid-2") and [d.namespace for d in confirmed.devices] == ["team-a"]
+
+
+def test_the_assignment_time_is_the_latest_write_of_spec_assigned_namespace_in_managed_fields():
+    def entry(manager, time, fields, subresource=None):
+        return {"manager": manager, "time": time, "fieldsV1": fields, **({"subresource": subresource} if subresource else {})}
+
+    body = {"metadata": {"name": NAME, "managedFields": [
+        entry("passthrough-agent", "2026-11-29T12:00:00Z", {"f:metadata": {"f:labels": {}}}),
+        entry("kubectl-patch", "2026-11-29T11:00:00Z", {"f:spec": {"f:assignedNamespace": {}}}),
+        entry("admin", "2026-11-29T11:05:00Z", {"f:spec": {"f:assignedNamespace": {}, "f:confirmedNamespaceUID": {}}}),
+        entry("passthrough-operator", "2026-11-29T12:30:00Z", {"f:status": {}}, "status"),
+    ]}, "spec": {"assignedNamespace": "team-a"}}  # fmt: skip
+    assert lc.NodeDevice.of(body).assigned_at == "2026-11-29T11:05:00Z"
+    assert lc.NodeDevice.of({**body, "spec": {}}).assigned_at == ""
+
+
+def test_the_pcidevice_says_which_pods_hold_the_device():
+    holders = (("team-b", "virt-launcher-old", "nvidia.com/GA102GL_A10"),)
+    settled = converge(world(dataclasses.replace(node_device("team-a"), holders=holders)))
+    [current] = settled.devices
+    assert current.status["holders"] == [{"namespace": "team-b", "pod": "virt-launcher-old", "resource": "nvidia.com/GA102GL_A10"}]
+    # The pod ends: the list empties, once.
+    ended = dataclasses.replace(settled, node_device=dataclasses.replace(settled.node_device, holders=()))
+    [write] = of(lc.decide(ended), lc.ApplyDeviceStatus)
+    assert write.body["status"]["holders"] == []
+    assert lc.decide(settle(ended)).writes == []
+    # As the API server gives it back without the empty list: still nothing to write.
+    bare = {k: v for k, v in write.body["status"].items() if k != "holders"}
+    quiet = dataclasses.replace(ended, devices=(dataclasses.replace(settle(ended).devices[0], status=bare),))
+    assert lc.decide(quiet).writes == []
+    assert lc.NodeDevice.of({"metadata": {"name": NAME}, "status": {"holders": [
+        {"namespace": "team-b", "pod": "p", "resource": "r"}, "junk"]}}).holders == (("team-b", "p", "r"),)

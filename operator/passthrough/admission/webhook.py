@@ -85,7 +85,7 @@ def _devices(
     """The namespace's PCIDevices among `names` that the operator handed out, and the names of
     those it did not make (each logged with why, for the admin: the tenant is told less)."""
     devices, node_devices = indexes
-    seen = _first(namespaces, namespace)  # (phase, uid)
+    seen = _first(namespaces, namespace)  # (phase, uid, creationTimestamp)
     namespace_uid = seen[1] if seen else ""
     found, forged = {}, set()
     for name in names:

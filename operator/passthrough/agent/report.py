@@ -7,11 +7,12 @@ writes only what `changed()` reports, so a rescan of unchanged hardware costs no
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from passthrough.api.conditions import Cond, condition
-from passthrough.api.models import API_VERSION, DRIVER_MAX, NODE_PCI_DEVICE, PCI_IDS_NAME_MAX, PCIAttributes
+from passthrough.api.models import API_VERSION, DRIVER_MAX, MAX_HOLDERS, NODE_PCI_DEVICE, PCI_IDS_NAME_MAX, PCIAttributes
 from passthrough.api.labels import NODE_LABEL
 from passthrough.pci.discovery import Device
 from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
@@ -124,18 +125,30 @@ def ready_condition(device: Device, failure: Exception | None = None) -> tuple[s
 
 
 def present_status(
-    device: Device, name: str, node: str, assigned_namespace: str, failure: Exception | None = None
+    device: Device, name: str, node: str, assigned_namespace: str, failure: Exception | None = None,
+    holders: Iterable[Any] | None = (),
 ) -> dict[str, Any]:
-    """The agent's part of the status of a device it found."""
+    """The agent's part of the status of a device it found. `holders`: the pods that hold it
+    (`Holder`s, from the kubelet's PodResources); None when the kubelet could not be asked, and
+    the object then keeps what it said."""
     resource, mode = resource_and_mode(device, name, assigned_namespace)
     status, reason, message = ready_condition(device, failure)
-    return {
+    found = {
         "attributes": attributes(device, node),
         "resourceName": resource,
         "mode": mode,
         "eligible": device.eligible and failure is None,
         "conditions": [{"type": READY, "status": status, "reason": reason, "message": message}],
     }
+    if holders is not None:
+        found["holders"] = holder_list(holders)
+    return found
+
+
+def holder_list(holders: Iterable[Any]) -> list[dict[str, str]]:
+    """status.holders: each pod once per resource, in a stable order, at most the CRD's bound."""
+    listed = sorted({(h.namespace, h.pod, h.resource) for h in holders})[:MAX_HOLDERS]
+    return [{"namespace": ns, "pod": pod, "resource": resource} for ns, pod, resource in listed]
 
 
 def missing_status(live: dict[str, Any], node: str, known: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -188,6 +201,9 @@ def changed(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
             got = status.get("attributes", {})
             if any(got.get(k) != v for k, v in value.items()):
                 return True
+        elif key == "holders":
+            if (status.get(key) or []) != value:
+                return True
         elif status.get(key) != value:
             return True
     for c in desired["conditions"]:
@@ -197,14 +213,20 @@ def changed(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
 
 
 def status_body(name: str, desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
-    """The apply body; a condition keeps its transition time unless its status flips."""
+    """The apply body; a condition keeps its transition time unless its status flips. Holders
+    not known this time (`present_status` without them) are sent as the object has them, and
+    none are left out: an apply without a field of ours removes it."""
     now = datetime.datetime.now(datetime.UTC)
     conditions = [
         condition(c["type"], Cond.of(c), Cond.of(_live_condition(live or {}, c["type"])), now) for c in desired["conditions"]
     ]
+    status = {k: v for k, v in desired.items() if k != "holders"}
+    held = desired["holders"] if "holders" in desired else ((live or {}).get("status") or {}).get("holders")
+    if held:  # none: left out, which removes the field
+        status["holders"] = held
     return {
         "apiVersion": API_VERSION,
         "kind": NODE_PCI_DEVICE.kind,
         "metadata": {"name": name},
-        "status": {**desired, "conditions": conditions},
+        "status": {**status, "conditions": conditions},
     }

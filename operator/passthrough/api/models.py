@@ -45,6 +45,9 @@ MAX_LISTED_ITEMS = 100
 MAX_ALLOW_LIST = 5000
 MAX_FEATURE_GATES = 64
 FEATURE_GATE_MAX = 128
+# A device is held by one pod, or for a moment by the pods of its old and new resource; more
+# than this many at once is a kubelet's stale record, and the first of them are enough to act on.
+MAX_HOLDERS = 16
 
 
 class APIModel(BaseModel):
@@ -175,6 +178,28 @@ class NodePCIDeviceSpec(APIModel):
             ]
         },
     )
+    confirmedNamespaceUID: str = Field(
+        default="",
+        max_length=UID_MAX,
+        description=(
+            "The uid of the namespace a device admin confirms as the one meant by assignedNamespace. Needed, with "
+            "the PassthroughConfig's devices.confirmNewNamespaces, when that namespace was created after the "
+            "assignment (by a tenant, perhaps): until then the device waits (Assigned=False, NamespaceNotConfirmed, "
+            "whose message has the command). It also gives the device to a namespace deleted and created again."
+        ),
+    )
+
+
+class Holder(APIModel):
+    """A pod that holds the device, as the node's kubelet tells it (PodResources)."""
+
+    namespace: str = Field(max_length=DNS1123_LABEL_MAX, description="The pod's namespace.")
+    pod: str = Field(max_length=DNS1123_SUBDOMAIN_MAX, description="The pod's name.")
+    resource: str = Field(max_length=QUALIFIED_NAME_MAX, description="The extended resource it holds the device under.")
+
+
+def _holders(description: str) -> Any:
+    return Field(default_factory=list, max_length=MAX_HOLDERS, description=description)
 
 
 class NamespaceRef(APIModel):
@@ -223,6 +248,10 @@ class NodePCIDeviceStatus(APIModel):
             "deleted and created again under the same name does not inherit the device."
         ),
     )
+    holders: list[Holder] = _holders(
+        "The pods on the node that hold the device, by the kubelet's word at the agent's last scan (written by "
+        "the agent). A device leaves a resource or a namespace only once no pod holds it under the old one."
+    )
     conditions: list[NodePCIDeviceCondition] = _conditions(
         "Ready, Assigned and Attached: the agent writes Ready, the operator the other two."
     )
@@ -236,6 +265,10 @@ class PCIDeviceStatus(APIModel):
     resourceName: str = Field(default="", max_length=QUALIFIED_NAME_MAX, description="Resource name a VM uses as deviceName.")
     attachedTo: str = Field(
         default="", max_length=MESSAGE_MAX, description="VirtualMachine whose spec lists this device (several: comma-separated)."
+    )
+    holders: list[Holder] = _holders(
+        "The pods on the node that hold the device now, this namespace's or another's (a pod of the namespace the "
+        "device was assigned to before): while one of another namespace does, no pod here gets it."
     )
     conditions: list[PCIDeviceCondition] = _conditions(
         "Ready and Attached: whether a VM here can use the device now, and which VM does."
@@ -322,6 +355,14 @@ class DeviceSettings(APIModel):
             "(kubelet and plugin restarts hide devices for about a minute, reboots for several)."
         ),
     )
+    confirmNewNamespaces: bool = Field(
+        default=False,
+        description=(
+            "For platforms where tenants create namespaces (Capsule, Rancher projects): a device assigned to a "
+            "namespace that did not exist yet waits, once someone creates it, until a device admin confirms that "
+            "namespace by its uid (the NodePCIDevice's spec.confirmedNamespaceUID). Devices already handed out stay."
+        ),
+    )
 
 
 class DiscoverySettings(APIModel):
@@ -348,7 +389,7 @@ class PassthroughConfigSpec(APIModel):
     gpu: GPUValues = _defaulted(GPUValues, "GPU variant and the KubeVirt allow-list (permittedHostDevices).")
     # Not defaulted in the CRD: without a `devices` section, the operator's --not-found-grace
     # applies (600 s unless set); one the API server filled in would always override it.
-    devices: DeviceSettings = Field(default_factory=DeviceSettings, description="How assigned devices that go missing are treated.")
+    devices: DeviceSettings = Field(default_factory=DeviceSettings, description="How assigned devices that go missing, and namespaces made after an assignment, are treated.")
     discovery: DiscoverySettings = _defaulted(DiscoverySettings, "Which devices the node agents offer, beyond the eligibility rules.")
 
 

@@ -123,8 +123,9 @@ async def vm_references_index(name: str, namespace: str, spec: kopf.Spec, **_: A
 
 
 @kopf.index("", "v1", "namespaces", id=rec.NAMESPACES)
-async def namespaces_index(name: str, uid: str, status: kopf.Status, **_: Any) -> dict[str, tuple[str, str]]:
-    return {name: (status.get("phase") or "Active", uid)}
+async def namespaces_index(name: str, uid: str, status: kopf.Status, meta: kopf.Meta, **_: Any) -> dict[str, tuple[str, str, str]]:
+    # When it was created: with devices.confirmNewNamespaces, one made after an assignment waits.
+    return {name: (status.get("phase") or "Active", uid, meta.get("creationTimestamp") or "")}
 
 
 @kopf.index(GROUP, VERSION, PASSTHROUGH_CONFIG.plural, id=rec.CONFIGS)
@@ -203,6 +204,7 @@ async def config_event(name: str, memo: kopf.Memo, **_: Any) -> None:
     if name != CONFIG_NAME:
         return
     memo.reconciler.changed(rec.KUBEVIRT)
+    memo.reconciler.settings_changed()
     # The grace period may have changed: devices waiting on it decide again.
     node_devices = memo.reconciler.indices[rec.NODE_DEVICES]
     _enqueue(memo, [key for key, store in node_devices.items()

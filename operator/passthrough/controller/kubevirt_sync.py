@@ -125,6 +125,20 @@ def advertised(node_devices: Iterable[NodeDevice]) -> list[Advertised]:
     ]
 
 
+def served_by_kubevirt(config: ConfigView | None, rendered: Rendered | None) -> dict[str, str]:
+    """The models KubeVirt's own device plugin serves, to VMs of any namespace: "vvvv:dddd" ->
+    resource name, of the allow-list entries with externalResourceProvider false (those of the
+    rendered allow-list KubeVirt has; before the first render, those of the values)."""
+    if config is None:
+        return {}
+    if rendered is not None:
+        entries: Iterable[Any] = rendered.pci_host_devices
+    else:
+        entries = ((config.spec.get("gpu") or {}).get("permittedHostDevices") or {}).get("pciHostDevices") or []
+    return {str(e.get("pciVendorSelector")).lower(): str(e.get("resourceName") or "") for e in entries
+            if isinstance(e, Mapping) and e.get("externalResourceProvider") is False}  # fmt: skip
+
+
 def next_sync_delay(last_cost: float, least: float = 0.2, share: float = 0.2) -> float:
     """Seconds from a change to the sync it starts. Changes within it fold into one sync; and
     one that took `last_cost` seconds of the event loop (5,000 assigned devices: half a second

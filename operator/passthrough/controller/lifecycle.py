@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passthrough.api.conditions import Cond, condition, parse_timestamp, timestamp
-from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCI_DEVICE
+from passthrough.api.models import API_VERSION, MAX_HOLDERS, NODE_PCI_DEVICE, PCI_DEVICE
 from passthrough.api.labels import NODE_LABEL
-from passthrough.pci.naming import exclusive_resource_name
+from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
 
 FINALIZER = "passthrough.io/in-use"
 DEFAULT_GRACE = datetime.timedelta(minutes=10)
@@ -51,6 +51,26 @@ def _cond(raw: Mapping[str, Any] | None) -> Cond | None:
 NOT_HANDED = ("", "")
 
 
+def _holders(raw: Any) -> tuple[tuple[str, str, str], ...]:
+    """status.holders as (namespace, pod, resource), the agent's report of the kubelet's word."""
+    if not isinstance(raw, list):
+        return ()
+    found = [h for h in raw if isinstance(h, Mapping)][:MAX_HOLDERS]
+    return tuple(tuple(sys.intern(str(h.get(k) or "")) for k in ("namespace", "pod", "resource")) for h in found)  # type: ignore[misc]
+
+
+def _assigned_at(meta: Mapping[str, Any]) -> str:
+    """When spec.assignedNamespace was last written, as the API server recorded it (managedFields:
+    the latest time among the managers that own the field); "" when no record says."""
+    times = [
+        entry.get("time") or ""
+        for entry in meta.get("managedFields") or []
+        if isinstance(entry, Mapping) and not entry.get("subresource")
+        and "f:assignedNamespace" in (((entry.get("fieldsV1") or {}).get("f:spec")) or {})
+    ]  # fmt: skip
+    return max(times, default="")
+
+
 @dataclass(frozen=True, slots=True)
 class NodeDevice:
     """What the lifecycle needs of a NodePCIDevice (small: ten thousand of these are cached)."""
@@ -71,6 +91,9 @@ class NodeDevice:
     missing_since: str = ""  # status.missingSince, the operator's own record
     node_gone_since: str = ""  # status.nodeGoneSince, the operator's own record
     handed_to: tuple[str, str] = ("", "")  # status.assignedNamespaceRef: (name, uid) it was handed to
+    holders: tuple[tuple[str, str, str], ...] = ()  # status.holders: (namespace, pod, resource), the agent's
+    confirmed_uid: str = ""  # spec.confirmedNamespaceUID: the namespace a device admin confirmed
+    assigned_at: str = ""  # when spec.assignedNamespace was last written (managedFields), "" unknown
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> NodeDevice:
@@ -96,6 +119,9 @@ class NodeDevice:
             missing_since=status.get("missingSince") or "",
             node_gone_since=status.get("nodeGoneSince") or "",
             handed_to=handed_to if any(handed_to) else NOT_HANDED,
+            holders=_holders(status.get("holders")),
+            confirmed_uid=spec.get("confirmedNamespaceUID") or "",
+            assigned_at=_assigned_at(meta) if spec.get("assignedNamespace") else "",
         )
 
 
@@ -149,6 +175,13 @@ class World:
     # Whether the device's Node exists. A deleted Node no longer takes its devices with it: its
     # devices wait out the grace period for a node that registers again under the same name.
     node_present: bool = True
+    namespace_created: Mapping[str, str] = field(default_factory=dict)  # name -> creationTimestamp
+    # The PassthroughConfig's devices.confirmNewNamespaces: a namespace made after the assignment
+    # waits for a device admin's confirmation (spec.confirmedNamespaceUID).
+    confirm_new_namespaces: bool = False
+    # The models KubeVirt's own device plugin serves (allow-list entries with
+    # externalResourceProvider false): "vvvv:dddd" -> its resource name.
+    served_by_kubevirt: Mapping[str, str] = field(default_factory=dict)
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -330,8 +363,15 @@ class Verdict:
     A device is handed out only while it is Ready (eligible, bound, present); one already
     handed out keeps its PCIDevice through NotReady, and through NotFound for the grace period.
     An assignment belongs to the namespace it was handed to (its uid): one deleted and made
-    again under the same name, perhaps by another tenant, does not inherit the device. A group
-    member assigned elsewhere blocks a new hand-out; one already handed out stays.
+    again under the same name, perhaps by another tenant, does not inherit the device (unless a
+    device admin confirms the new one by its uid). A group member assigned elsewhere blocks a new
+    hand-out; one already handed out stays. With devices.confirmNewNamespaces, a namespace made
+    after the assignment waits for that confirmation too.
+
+    Never handed out, nor kept: a NodePCIDevice whose name is not the one the agent gives a
+    device with its attributes (written by someone else, or its attributes changed: an agent
+    could take the name another node's device will get), and a model KubeVirt's own device
+    plugin serves (to VMs of every namespace, whatever is assigned).
     """
 
     target: str  # the namespace assigned ("" when none, or the NodePCIDevice is being deleted)
@@ -343,25 +383,62 @@ class Verdict:
     usable: bool  # the target may have its PCIDevice now
     current: Device | None  # the target's PCIDevice, when usable and there is one
     will_exist: bool  # the target's PCIDevice is there (or made) after this plan
+    misnamed: str = ""  # the name its attributes give, when the object has another one
+    kubevirt_resource: str = ""  # the resource KubeVirt's own plugin serves its model as, when it does
+    unconfirmed: bool = False  # its namespace was made after the assignment and awaits a device admin
 
     @classmethod
     def of(cls, npci: NodeDevice, world: World, absence: Absence) -> Verdict:
         target = "" if npci.deleting else npci.assigned_namespace
         phase = world.namespaces.get(target) if target else None
         target_uid = world.namespace_uids.get(target, "") if target else ""
+        confirmed = bool(target_uid) and npci.confirmed_uid == target_uid
         handed_name, handed_uid = npci.handed_to
-        recreated = bool(target and handed_name == target and handed_uid and target_uid and handed_uid != target_uid)
+        recreated = bool(target and handed_name == target and handed_uid and target_uid and handed_uid != target_uid
+                         and not confirmed)  # fmt: skip
         handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
+        expected = expected_name(npci)
+        misnamed = expected if expected and expected != npci.name else ""
+        kubevirt_resource = world.served_by_kubevirt.get(_model(npci), "") if target else ""
+        unconfirmed = bool(
+            target and world.confirm_new_namespaces and phase is not None and not confirmed and not handed_out
+            and npci.handed_to != (target, target_uid)
+            and not _older(world.namespace_created.get(target, ""), npci.assigned_at)
+        )  # fmt: skip
         ready = npci.ready is not None and npci.ready.status == "True"
         not_ready = bool(target) and not handed_out and (absence.node_gone or not ready)
         conflict = next(((other, ns) for other, ns in sorted(world.group.items()) if ns and ns != target), None)
         conflict = conflict if target and not handed_out else None
         usable = (bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not absence.expired
-                  and not not_ready and conflict is None and not recreated)  # fmt: skip
+                  and not not_ready and conflict is None and not recreated and not misnamed and not kubevirt_resource
+                  and not unconfirmed)  # fmt: skip
         current = next((d for d in world.devices if d.namespace == target), None) if usable else None
         return cls(target=target, phase=phase, target_uid=target_uid, recreated=recreated, not_ready=not_ready,
                    conflict=conflict, usable=usable, current=current,
-                   will_exist=usable and (current is None or not current.deleting))  # fmt: skip
+                   will_exist=usable and (current is None or not current.deleting), misnamed=misnamed,
+                   kubevirt_resource=kubevirt_resource, unconfirmed=unconfirmed)  # fmt: skip
+
+
+def expected_name(npci: NodeDevice) -> str:
+    """The name the agent of its node gives a device with these attributes (pci/naming.py); ""
+    while they do not say (no status yet: such a device is not Ready, so never handed out)."""
+    attrs = npci.attributes
+    parts = [attrs.get(k) for k in ("pciAddress", "vendorID", "deviceID", "nodeName")]
+    if not all(isinstance(p, str) and p for p in parts):
+        return ""
+    return node_pci_device_name(*parts)
+
+
+def _model(npci: NodeDevice) -> str:
+    return f"{npci.attributes.get('vendorID', '')}:{npci.attributes.get('deviceID', '')}".lower()
+
+
+def _older(created: str, assigned_at: str) -> bool:
+    """Whether a namespace created at `created` existed before the assignment written at
+    `assigned_at`. Both are the API server's whole seconds: the same second, or either unknown,
+    is not "before" (the admin is asked rather than a tenant trusted)."""
+    made, assigned = parse_timestamp(created), parse_timestamp(assigned_at)
+    return made is not None and assigned is not None and made < assigned
 
 
 @dataclass(frozen=True)
@@ -516,11 +593,12 @@ def _node_status(npci: NodeDevice, world: World, verdict: Verdict, absence: Abse
 def _node_events(npci: NodeDevice, target: str, assigned: Cond, attached: Cond, waiting: tuple[str, ...]) -> list[Event]:
     events = []
     # A new device starting out unassigned is not news; every later transition is.
-    if not assigned.same(npci.assigned) and (npci.assigned is not None or target):
-        # The assignment held back (a namespace missing, a device not Ready, a group conflict, ...)
-        # or its node gone is a Warning; handing out, unassigning and waiting for the old
-        # PCIDevice to terminate are not.
-        warning = assigned.reason == "NodeGone" or (bool(target) and assigned.status != "True" and assigned.reason != "InProgress")
+    if not assigned.same(npci.assigned) and (npci.assigned is not None or target or assigned.reason == "NameMismatch"):
+        # The assignment held back (a namespace missing, a device not Ready, a group conflict, ...),
+        # its node gone or a forged name is a Warning; handing out, unassigning and waiting for the
+        # old PCIDevice to terminate are not.
+        warning = assigned.reason in ("NodeGone", "NameMismatch") or (
+            bool(target) and assigned.status != "True" and assigned.reason != "InProgress")
         events.append(Event(NODE_PCI_DEVICE.kind, "", "Warning" if warning else "Normal", assigned.reason, assigned.message))
     if not attached.same(npci.attached) and (npci.attached is not None or attached.status == "True"):
         if waiting:  # two namespaces want it at once: never without a Warning
@@ -597,6 +675,9 @@ def _device_status(
         "nodeName": npci.node_name,
         "resourceName": resource,
         "attachedTo": "" if held_elsewhere else ", ".join(vms),
+        # Who holds it on the node, as its agent reported: while a pod of another namespace does (the
+        # one the device was assigned to before), no pod here gets it (Ready says HeldByPod).
+        "holders": [{"namespace": ns, "pod": pod, "resource": resource} for ns, pod, resource in npci.holders],
         "conditions": [
             ready,
             condition("Attached", attached, old.get("Attached"), now),
@@ -616,6 +697,9 @@ def _status_differs(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
         elif key == "attributes":
             have = live.get("attributes") or {}
             if any(have.get(k) != v for k, v in value.items()):
+                return True
+        elif isinstance(value, list):
+            if (live.get(key) or []) != value:
                 return True
         elif live.get(key, "") != value:
             return True
@@ -647,6 +731,8 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
     held = [(d.namespace, referenced[d.namespace]) for d in holders.lingering if referenced[d.namespace]]
     holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
     gone = _node_gone_note(npci, world, absence.node_gone_since) if not world.node_present else ""
+    if verdict.misnamed:
+        return _misnamed(npci, verdict.misnamed, holding)
     if not target:
         if held:
             return Cond("False", "InProgress", f"Unassigning: {holding}.")
@@ -655,8 +741,18 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
         return Cond("False", "Available", "Not assigned; set spec.assignedNamespace to give this device to a namespace.")
     if target in SYSTEM_NAMESPACES:
         return Cond("False", "Available", f"{target} is a system namespace and cannot receive devices; assign the device to a tenant namespace.")
+    if verdict.kubevirt_resource:
+        model = _model(npci).upper()
+        return Cond("False", "ServedByKubeVirt",
+                    f"KubeVirt's own device plugin serves every {model} device on vfio-pci as {verdict.kubevirt_resource}, "
+                    f"to VMs of any namespace (the PassthroughConfig's gpu.permittedHostDevices lists {model} with "
+                    f"externalResourceProvider: false), so this device cannot be {target}'s alone. Set "
+                    "externalResourceProvider: true on that entry (this operator's agents then serve the model, and assigned "
+                    f"devices are each one namespace's), or clear spec.assignedNamespace.{_also(holding)}")
     if phase is None:
-        return Cond("False", "Available", f"Namespace {target} does not exist; create it or clear spec.assignedNamespace.")
+        later = (" With devices.confirmNewNamespaces set, a namespace created after the assignment gets the device only "
+                 "once a device admin confirms it." if world.confirm_new_namespaces else "")  # fmt: skip
+        return Cond("False", "Available", f"Namespace {target} does not exist; create it or clear spec.assignedNamespace.{later}")
     if phase != "Active":
         return Cond("False", "Available",
                     f"Namespace {target} is being deleted and its PCIDevice goes with it; create the namespace again or change spec.assignedNamespace.")
@@ -668,7 +764,18 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
     if verdict.recreated:
         return Cond("False", "NamespaceRecreated",
                     f"Namespace {target} was deleted and created again since the device was assigned to it; the new one "
-                    f"does not inherit it. To give it to the new {target}, clear spec.assignedNamespace and set it again.")
+                    f"does not inherit it. To give it to the new {target}, confirm it by its uid: {_confirm(npci, world, verdict)} "
+                    "(or clear spec.assignedNamespace and set it again).")
+    if verdict.unconfirmed:
+        created = world.namespace_created.get(target) or "?"
+        assigned = f" ({npci.assigned_at})" if npci.assigned_at else ""
+        other = (f" spec.confirmedNamespaceUID is {npci.confirmed_uid}, which is not this namespace's uid."
+                 if npci.confirmed_uid else "")  # fmt: skip
+        return Cond("False", "NamespaceNotConfirmed",
+                    f"Namespace {target} (uid {verdict.target_uid}) was created at {created}, not before the device was "
+                    f"assigned to it{assigned}, and the PassthroughConfig sets devices.confirmNewNamespaces: whoever created "
+                    f"it gets the device only once a device admin confirms it is the namespace meant.{other} To confirm: "
+                    f"{_confirm(npci, world, verdict)}; or clear spec.assignedNamespace.{_also(holding)}")
     if verdict.conflict:
         other, namespace = verdict.conflict
         group = npci.attributes.get("iommuGroup", "?")
@@ -699,6 +806,27 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
     if holding:
         message += f" Meanwhile {holding}."
     return Cond("True", "Assigned", message)
+
+
+def _confirm(npci: NodeDevice, world: World, verdict: Verdict) -> str:
+    """The command that confirms the target namespace as it is now (by its uid)."""
+    patch = '{"spec":{"confirmedNamespaceUID":"%s"}}' % verdict.target_uid
+    return f"kubectl patch npci {npci.name} --type=merge -p '{patch}'"
+
+
+def _also(holding: str) -> str:
+    return f" Meanwhile {holding}." if holding else ""
+
+
+def _misnamed(npci: NodeDevice, expected: str, holding: str) -> Cond:
+    attrs = npci.attributes
+    address, node = attrs.get("pciAddress"), attrs.get("nodeName")
+    return Cond("False", "NameMismatch",
+                f"This NodePCIDevice is named {npci.name}, but a device at {address} ({attrs.get('vendorID')}:"
+                f"{attrs.get('deviceID')}) of node {node} is {expected} (pci- and the sha1 of address-vendor-device-node): "
+                f"the agent of {node} did not write it under this name, or its attributes were changed since. The operator "
+                f"ignores it: no PCIDevice, no allow-list entry. Delete it (kubectl delete npci {npci.name}) and, if the "
+                f"device is real, assign {expected}, which its node's agent reports.{_also(holding)}")
 
 
 def _attached_condition(attached: Mapping[str, tuple[str, ...]], waiting: tuple[str, tuple[str, ...]] | None = None) -> Cond:

@@ -87,6 +87,8 @@ class Reconciler:
         self._sync_cost = 0.0  # seconds the last KubeVirt sync held the event loop
         self.writes = 0
         self._bad_grace: Any = None
+        self._kubevirt_served: tuple[Any, dict[str, str]] = (None, {})  # (what it was made of, models)
+        self._device_settings: Any = None  # what devices were last decided with (settings_changed)
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -121,6 +123,29 @@ class Reconciler:
                             seconds, MAX_GRACE_SECONDS, self.default_grace)
             return self.default_grace
         return datetime.timedelta(seconds=seconds)
+
+    def confirm_new_namespaces(self) -> bool:
+        config = self.config()
+        return bool(config and (config.spec.get("devices") or {}).get("confirmNewNamespaces") is True)
+
+    def served_by_kubevirt(self) -> dict[str, str]:
+        """The models KubeVirt's own plugin serves (kept until the config or the render changes)."""
+        config = self.config()
+        made_of = (config.resource_version if config else None, id(self.last_good))
+        if self._kubevirt_served[0] != made_of:
+            self._kubevirt_served = (made_of, kubevirt_sync.served_by_kubevirt(config, self.last_good))
+        return self._kubevirt_served[1]
+
+    def settings_changed(self) -> None:
+        """The config's device settings (confirmNewNamespaces, the models KubeVirt serves) changed:
+        every assigned device decides again. The config's status writes change neither."""
+        settings = (self.confirm_new_namespaces(), self.served_by_kubevirt())
+        if settings != self._device_settings:
+            first, self._device_settings = self._device_settings is None, settings
+            if not first:
+                for names in list(self.assignments().values()):
+                    for name in names:
+                        self.enqueue(name)
 
     def group_of(self, npci: lifecycle.NodeDevice) -> dict[str, str]:
         """The other members of the device's IOMMU group on its node: name -> assigned namespace."""
@@ -165,8 +190,11 @@ class Reconciler:
             group=self.group_of(npci) if npci else {},
             allow_list_problem=self.unapplied.get(name, ""),
             devices=devices,
-            namespaces={ns: phase for ns, (phase, _) in found.items()},
-            namespace_uids={ns: uid for ns, (_, uid) in found.items()},
+            namespaces={ns: seen[0] for ns, seen in found.items()},
+            namespace_uids={ns: seen[1] for ns, seen in found.items()},
+            namespace_created={ns: seen[2] for ns, seen in found.items() if len(seen) > 2},
+            confirm_new_namespaces=self.confirm_new_namespaces(),
+            served_by_kubevirt=self.served_by_kubevirt(),
             node_present=self.node_present(npci),
             referencing_vms={ns: vms for ns, vms in referencing.items() if vms},
             now=datetime.datetime.now(datetime.UTC),
@@ -302,6 +330,7 @@ class Reconciler:
         self._sync_cost = time.perf_counter() - started
         if plan.rendered is not None:
             self.last_good = plan.rendered
+        self.settings_changed()  # the models KubeVirt serves itself may have changed
         if plan.problems and plan.problems != self._problems_logged:
             log.warning("the PassthroughConfig is invalid, KubeVirt keeps the last good configuration: %s", "; ".join(plan.problems))
         self._problems_logged = plan.problems
