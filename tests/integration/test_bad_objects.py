@@ -25,6 +25,7 @@ from passthrough.api.models import MAX_GRACE_SECONDS
 from passthrough.api.labels import NODE_LABEL
 from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.kube.client import ApiError
+from passthrough.pci.naming import node_pci_device_name
 
 pytestmark = pytest.mark.cluster
 MERGE = "application/merge-patch+json"
@@ -93,7 +94,8 @@ async def scene(api, kinds, operator):
     with contextlib.suppress(client.exceptions.ApiException):
         await core.delete_node(node.name)
     for obj in (await npci.list(label_selector=f"{NODE_LABEL}")).get("items", []):
-        if unique in obj["metadata"]["name"] or obj["metadata"]["name"] == good:
+        named = obj["metadata"]["name"], obj["metadata"]["labels"].get(NODE_LABEL, "")
+        if any(unique in n for n in named) or obj["metadata"]["name"] == good:
             with contextlib.suppress(client.exceptions.ApiException):
                 await npci.delete(obj["metadata"]["name"])
 
@@ -191,8 +193,17 @@ async def test_odd_node_devices_are_judged_one_by_one_and_the_good_assignment_st
         "same-address-and-resource": (node, {"attributes": attributes(GOOD_ADDRESS, node, deviceID="2237"),
                                              "resourceName": f"passthrough.io/{scene.good}", "mode": "Exclusive",
                                              "eligible": True, "conditions": [ready()]}, "", ("Available",), ""),
+        # A name that is not the hash of its attributes (an agent taking the name another node's device
+        # will have, or anyone's hand-made object): ignored and flagged, with the name it should have.
+        "name-not-its-hash": (node, {"attributes": attributes("0000:48:00.0", node), "eligible": True,
+                                     "conditions": [ready()]}, ns, ("NameMismatch",),
+                              node_pci_device_name("0000:48:00.0", "10de", "2236", node)),
     }
-    names = {case: f"pci-odd-{u}-{case}" for case in odd}
+    # Every other object is named as its node's agent names it (pci/naming.py), or the operator
+    # would judge its name before anything else.
+    names = {case: node_pci_device_name(s["attributes"]["pciAddress"], s["attributes"]["vendorID"], s["attributes"]["deviceID"],
+                                        s["attributes"]["nodeName"]) if s and case != "name-not-its-hash" else f"pci-odd-{u}-{case}"
+             for case, (_, s, *_) in odd.items()}  # fmt: skip
     for case, (label, status, assigned, _, _) in odd.items():
         await put(api, npci, names[case], label, status, assigned)
 
@@ -220,6 +231,17 @@ async def test_odd_node_devices_are_judged_one_by_one_and_the_good_assignment_st
     await assert_nothing_torn_down(scene, kinds, operator)
     # A device waiting on its group must not have taken the group's PCIDevice away from the good one.
     assert await pcidev.get(names["same-group-elsewhere"], scene.other_namespace) is None
+    # The misnamed one: no PCIDevice, a Warning Event that says why, and no allow-list entry.
+    misnamed = names["name-not-its-hash"]
+    assert await pcidev.get(misnamed, ns) is None
+
+    async def flagged():
+        events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector=f"involvedObject.name={misnamed}")
+        return any(e.type == "Warning" and e.reason == "NameMismatch" for e in events.items)
+
+    await support.wait_for(flagged, 20, what=f"a Warning Event NameMismatch on {misnamed}")
+    kubevirt = await kinds[3].get("kubevirt", ns)
+    assert misnamed not in str(kubevirt["spec"]), kubevirt["spec"]
     assert not failures, "\n".join(failures)
 
 
