@@ -116,6 +116,16 @@ def metadata_stream(
     )
 
 
+def read_stream(text: str) -> list[dict[str, Any]]:
+    """The objects of a metadata stream, in order (what a consumer's stream decoder walks)."""
+    decoder, objects, index = json.JSONDecoder(), [], 0
+    while text[index:].strip():
+        index += len(text[index:]) - len(text[index:].lstrip())
+        obj, index = decoder.raw_decode(text, index)
+        objects.append(obj)
+    return objects
+
+
 def cdi_ids(claim_uid: str, driver: str, devices: Iterable[PreparedDevice]) -> dict[str, list[str]]:
     """Device name -> the CDI IDs the kubelet passes to the runtime for it: its vfio device, and
     on the first device of each request the metadata mount (once per request suffices)."""
