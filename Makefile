@@ -60,7 +60,7 @@ crds: venv
 	$(VENV)/bin/passthrough crds --out charts/passthrough-operator/crds
 	$(VENV)/bin/passthrough values-schema --out charts/passthrough-operator/values.schema.json
 
-## Regenerate the kubelet gRPC code (operator/passthrough/deviceplugin/kubeletapi) from its vendored protos.
+## Regenerate the kubelet gRPC code (deviceplugin/kubeletapi and dra/kubeletapi under operator/passthrough) from its vendored protos.
 protos: venv
 	$(PY) -m passthrough.deviceplugin.kubeletapi.codegen
 
