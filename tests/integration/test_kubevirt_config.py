@@ -266,7 +266,10 @@ async def test_a_device_assigned_while_the_values_are_invalid_says_its_entry_is_
         await support.remove_node(api, node.name)
 
 
-async def test_a_device_kubevirt_cannot_take_is_left_out_alone(api, kinds, config, kubevirt_ns, unique):
+async def test_an_assignment_of_a_model_kubevirt_serves_itself_is_refused(api, kinds, config, kubevirt_ns, unique):
+    """KubeVirt's own device plugin serves every device of a model listed with externalResourceProvider:
+    false, to VMs of any namespace: one of them cannot be a namespace's own. The operator refuses it
+    (no PCIDevice, no allow-list entry) and says which entry and what to change; the rest goes on."""
     configs, kubevirts = kinds
     await support.create_kubevirt(api, kubevirt_ns)
     served = {"pciVendorSelector": "10DE:2236", "resourceName": "nvidia.com/A10", "externalResourceProvider": False}
@@ -276,7 +279,7 @@ async def test_a_device_kubevirt_cannot_take_is_left_out_alone(api, kinds, confi
     await config(spec)
     await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o) == [served, user], "the values applied")
     node = await support.ensure_node(api, f"kvnode-{unique}")
-    node_devices = Custom(api, "nodepcidevices")
+    node_devices, pcidevices = Custom(api, "nodepcidevices"), Custom(api, "pcidevices", namespaced=True)
     try:
         a10 = await support.report_device(api, node, support.gpu("0000:61:00.0"))  # the model KubeVirt serves itself
         l40s = await support.report_device(api, node, support.gpu("0000:62:00.0", device="26b9", name="AD102GL [L40S]",
@@ -287,33 +290,28 @@ async def test_a_device_kubevirt_cannot_take_is_left_out_alone(api, kinds, confi
         kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: other in pci_list(o), "the other device's entry")
         assert pci_list(kv) == [served, user, other]
 
-        def left_out(o):
-            return condition(o, "AssignedDevicesPermitted").get("reason") == "DevicesLeftOut"
-
-        status = (await wait_config(configs, left_out, "the device left out"))["status"]
-        assert condition({"status": status}, "Valid")["status"] == "True"
-        assert [d["name"] for d in status["leftOut"]] == [a10] and status["leftOutCount"] == 1
-        assert "externalResourceProvider: false" in status["leftOut"][0]["reason"]
-
-        async def assigned():
+        async def assigned(reason):
             got = condition(await node_devices.get(a10) or {}, "Assigned")
-            return got if got.get("reason") == "AllowListNotApplied" else None
+            return got if got.get("reason") == reason else None
 
-        got = await support.wait_for(assigned, 20, what="AllowListNotApplied on the device")
-        assert "gpu.permittedHostDevices.pciHostDevices[0]" in got["message"]
+        got = await support.wait_for(lambda: assigned("ServedByKubeVirt"), 20, what="ServedByKubeVirt on the device")
+        assert got["status"] == "False" and "nvidia.com/A10" in got["message"] and "externalResourceProvider: true" in got["message"]
+        assert await pcidevices.get(a10, kubevirt_ns) is None
+        status = (await configs.get("cluster"))["status"]
+        assert status.get("leftOut", []) == [] and condition({"status": status}, "Valid")["status"] == "True"
 
         async def warned():
-            events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
-            return [e for e in events.items if e.type == "Warning" and e.reason == "DevicesLeftOut" and a10 in e.message]
+            events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector=f"involvedObject.name={a10}")
+            return [e for e in events.items if e.type == "Warning" and e.reason == "ServedByKubeVirt"]
 
-        await support.wait_for(warned, 20, what="a Warning Event on the config")
-        # The admin lets the external plugin serve the model: the device gets its entry.
+        await support.wait_for(warned, 20, what="a Warning Event on the device")
+        # The admin lets the external plugin serve the model: the device is handed out, with its entry.
         spec["gpu"]["permittedHostDevices"]["pciHostDevices"] = [{**served, "externalResourceProvider": True}, user]
         await config(spec)
         wanted = {"pciVendorSelector": "10DE:2236", "resourceName": f"passthrough.io/{a10}", "externalResourceProvider": True}
         await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: wanted in pci_list(o), "the entry once the values allow it")
-        status = (await wait_config(configs, lambda o: not left_out(o), "nothing left out"))["status"]
-        assert status.get("leftOut", []) == [] and condition({"status": status}, "AssignedDevicesPermitted")["status"] == "True"
+        await support.wait_for(lambda: assigned("Assigned"), 20, what="Assigned once the values allow it")
+        assert await pcidevices.get(a10, kubevirt_ns) is not None
     finally:
         await support.remove_node(api, node.name)
 
