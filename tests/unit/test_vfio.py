@@ -341,3 +341,15 @@ def test_bind_then_release_returns_every_device_to_its_driver(tmp_path_factory, 
             assert host.vfio_node(g).exists() == (len(ours) < len(addresses))
     assert {a: host.driver(a) for a in initial} == initial
 
+
+
+def test_the_iommufd_device_is_named_only_when_it_and_dev_iommu_exist(tmp_path):
+    host = gpu_node(tmp_path)
+    assert vfio.iommufd_device(host.sysfs, host.dev, GPU) == ""  # no vfio-dev: a kernel without the cdev
+    (host.device_dir(GPU) / "vfio-dev" / "vfio3").mkdir(parents=True)
+    assert vfio.iommufd_device(host.sysfs, host.dev, GPU) == ""  # sysfs has it, /dev has neither node
+    (host.dev / "vfio" / "devices").mkdir(parents=True, exist_ok=True)
+    (host.dev / "vfio" / "devices" / "vfio3").write_text("")
+    assert vfio.iommufd_device(host.sysfs, host.dev, GPU) == ""  # no /dev/iommu (bookworm's 6.12, IOMMUFD off)
+    (host.dev / "iommu").write_text("")
+    assert vfio.iommufd_device(host.sysfs, host.dev, GPU) == "vfio3"

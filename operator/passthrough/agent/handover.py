@@ -25,6 +25,7 @@ from passthrough.deviceplugin.holder import Holder
 from passthrough.pci.binder import DEADLINE, Binder
 from passthrough.pci.discovery import Device
 from passthrough.pci.health import Health
+from passthrough.pci import vfio
 from passthrough.pci.vfio import BindError
 
 if TYPE_CHECKING:  # the module itself loads gRPC, for an agent that serves device plugins only
@@ -123,6 +124,7 @@ class Handover:
     async def carry_out(self, plan: Plan, view: KubeletView | None = None) -> Outcome:
         """`view`: the kubelet's answer of this scan (`look`); None when it could not be asked."""
         outcome = Outcome()
+        self.bound.add(self.binder.take_late_moved())  # a write past its deadline that returned moved these
         for group, late in self.binder.overdue.items():
             for address in late.members:
                 outcome.failures[address] = BindError("WriteBlocked", late.message(self.binder.deadline))
@@ -217,16 +219,7 @@ class Handover:
         )
 
     def _cdev(self, address: str) -> str:
-        """The device's iommufd character device (`vfio<N>`), only when both it and /dev/iommu
-        exist: a kernel without them must not be handed paths that are not there."""
-        try:
-            names = os.listdir(self.sysfs_root / "bus" / "pci" / "devices" / address / "vfio-dev")
-        except OSError:
-            return ""
-        for name in names:
-            if os.path.exists(self.dev_root / "vfio" / "devices" / name) and os.path.exists(self.dev_root / "iommu"):
-                return name
-        return ""
+        return vfio.iommufd_device(self.sysfs_root, self.dev_root, address)
 
 
 def served_elsewhere(view: KubeletView | None, ours: list[str]) -> dict[str, str]:

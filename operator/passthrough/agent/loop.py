@@ -218,10 +218,7 @@ class Agent:
 
     def _assignment_view(self) -> tuple[dict[str, str], frozenset[str]]:
         """Object name -> the namespace it is handed out to (only those), and the names an admin assigned."""
-        objects = self.mirror.objects.items()
-        handed = {name: namespace for name, obj in objects if (namespace := report.handed_out(obj))}
-        claimed = frozenset(name for name, obj in objects if (obj.get("spec") or {}).get("assignedNamespace"))
-        return handed, claimed
+        return report.assignment_view(self.mirror.objects)
 
     # -- one scan ----------------------------------------------------------------------------
 

@@ -69,6 +69,14 @@ def handed_out(live: dict[str, Any]) -> str:
     return ""
 
 
+def assignment_view(objects: dict[str, dict[str, Any]]) -> tuple[dict[str, str], frozenset[str]]:
+    """Object name -> the namespace it is handed out to (only those), and the names an admin
+    assigned (handed out or not), of a node's NodePCIDevices by name."""
+    handed = {name: namespace for name, obj in objects.items() if (namespace := handed_out(obj))}
+    claimed = frozenset(name for name, obj in objects.items() if (obj.get("spec") or {}).get("assignedNamespace"))
+    return handed, claimed
+
+
 def requests(pod: dict[str, Any], resource: str) -> bool:
     """Whether a pod's containers (init containers too) ask for `resource`."""
     spec = pod.get("spec") or {}

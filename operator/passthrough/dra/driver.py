@@ -52,6 +52,7 @@ from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.pci.binder import DEADLINE, Binder
 from passthrough.pci.discovery import BRIDGE_CLASS, Discovery, discover
 from passthrough.pci.pciids import PciIds
+from passthrough.pci import vfio
 from passthrough.pci.vfio import BindError
 
 log = logging.getLogger(__name__)
@@ -217,10 +218,7 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         return self.slices.objects.get(dra_slice.slice_name(self.node_name))
 
     def _assignments(self) -> tuple[dict[str, str], frozenset[str]]:
-        objects = self.devices.objects.items()
-        handed = {name: ns for name, obj in objects if (ns := report.handed_out(obj))}
-        claimed = frozenset(name for name, obj in objects if (obj.get("spec") or {}).get("assignedNamespace"))
-        return handed, claimed
+        return report.assignment_view(self.devices.objects)
 
     async def publish(self) -> int:
         """One pass; returns the ResourceSlice writes it made (0 at rest)."""
@@ -396,13 +394,7 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         self.trigger()
 
     def _cdev(self, address: str) -> str:
-        """The device's iommufd node (`vfio<N>`), only when both it and /dev/iommu exist."""
-        try:
-            names = os.listdir(self.sysfs_root / "bus" / "pci" / "devices" / address / "vfio-dev")
-        except OSError:
-            return ""
-        found = [n for n in names if (self.dev_root / "vfio" / "devices" / n).exists()]
-        return found[0] if found and (self.dev_root / "iommu").exists() else ""
+        return vfio.iommufd_device(self.sysfs_root, self.dev_root, address)
 
     # -- the checkpoint ------------------------------------------------------------------------
 

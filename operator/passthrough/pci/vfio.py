@@ -142,6 +142,19 @@ def device_healthy(sysfs_root: Path, dev_root: Path, address: str, group: int) -
     return _driver_name(sysfs_root, address) == VFIO_DRIVER and not group_problem(sysfs_root, dev_root, group)
 
 
+def iommufd_device(sysfs_root: Path, dev_root: Path, address: str) -> str:
+    """The device's iommufd character device (`vfio<N>`), only when both it and `/dev/iommu`
+    exist: a kernel without them must not be handed paths that are not there (KubeVirt 1.9.0's
+    IOMMUFD gate broke on such kernels)."""
+    try:
+        names = sorted(os.listdir(os.path.join(sysfs_root, "bus", "pci", "devices", address, "vfio-dev")))
+    except OSError:
+        return ""
+    if not os.path.exists(os.path.join(dev_root, "iommu")):
+        return ""
+    return next((n for n in names if os.path.exists(os.path.join(dev_root, "vfio", "devices", n))), "")
+
+
 def held_by_process(dev_root: Path, group: int) -> bool:
     """Whether something holds `/dev/vfio/<group>` open: the kernel lets one open it at a time
     (EBUSY for the rest), so an open that succeeds, closed at once, means nobody does.
