@@ -128,6 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="the webhooks' serving certificate: DIR/tls.crt and DIR/tls.key (a kubernetes.io/tls Secret); "
         "re-read when they change",
     )
+    p.add_argument("--readiness", default="", metavar="URL",
+                   help="serve a readiness probe, e.g. http://0.0.0.0:8081/readyz: ready once the webhooks listen "
+                   "and the caches hold their first listing (leader or not)")
+    p.add_argument("--leader-elect", action="store_true",
+                   help="reconcile only while holding a coordination.k8s.io Lease, so that two or more replicas can "
+                   "run: each serves the webhooks, one reconciles")
+    p.add_argument("--leader-elect-resource-name", default="passthrough-operator", metavar="NAME",
+                   help="the Lease's name (default passthrough-operator)")
+    p.add_argument("--leader-elect-resource-namespace", default="", metavar="NAMESPACE",
+                   help="the Lease's namespace (default: $POD_NAMESPACE, else default)")
+    p.add_argument("--leader-elect-identity", default="", metavar="ID",
+                   help="this replica's holderIdentity (default: $POD_NAME or the host name, and a random suffix)")
+    for flag, default, what in (
+        ("lease-duration", "10s", "how long a standby waits after the last renewal it saw before it takes over"),
+        ("renew-deadline", "7s", "how long the leader goes on reconciling without a successful renewal"),
+        ("retry-period", "2s", "how often each replica tries to acquire or renew the Lease"),
+    ):
+        p.add_argument(f"--leader-elect-{flag}", default=default, metavar="DURATION", help=f"{what} (default {default})")
     _add_metrics_flags(p, "operator")
     _add_client_flags(p)
     p.set_defaults(func=_lazy("passthrough.controller.main", "run"))

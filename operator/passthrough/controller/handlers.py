@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     # Our own Events, written when a condition changes; Kopf must not turn logs into Events.
     settings.posting.enabled = False
-    # One replica (Deployment strategy Recreate); no peering objects to keep.
+    # No Kopf peering: it is not a Lease, and our handlers write nothing. Which replica
+    # reconciles is decided by the Lease (controller/leader.py); every replica serves the webhooks.
     settings.peering.standalone = True
     # The batch window delays every reaction; ours are cheap and idempotent.
     settings.batching.batch_window = 0.02
@@ -71,6 +72,20 @@ async def _run_when_indexed(memo: kopf.Memo) -> None:
     await memo.indexed.wait()
     await memo.node_devices.synced.wait()
     await memo.devices.synced.wait()
+    leadership = memo.get("leadership")  # --leader-elect: reconcile only while holding the Lease
+    if leadership is None:
+        await memo.reconciler.run()
+    else:
+        await leadership.lead(memo.api, lambda: _reconcile_as_leader(memo))
+
+
+async def _reconcile_as_leader(memo: kopf.Memo) -> None:
+    # Standing by, the queue kept what changed, not what the last leader had scheduled (grace
+    # periods, retries): a new leader decides every device once.
+    for index in (rec.NODE_DEVICES, rec.DEVICES):
+        for name in list(memo.reconciler.indices[index].keys()):
+            memo.reconciler.enqueue(name)
+    memo.reconciler.sync_kubevirt_soon()
     await memo.reconciler.run()
 
 

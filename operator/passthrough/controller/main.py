@@ -8,7 +8,9 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,9 +87,16 @@ def run(args: argparse.Namespace) -> int:
         if missing:
             print(f"passthrough operator: --webhook-cert-dir: {', '.join(missing)} not found", file=sys.stderr)
             return 2
-        webhook_server = kopf.WebhookServer(
+        webhook_server = _listening_webhook_server(kopf)(
             addr=args.webhook_addr, port=args.webhook_port, certfile=cert_dir / "tls.crt", pkeyfile=cert_dir / "tls.key"
         )
+    leadership = None
+    if args.leader_elect:
+        try:
+            leadership = _leadership(args)
+        except (DurationError, ValueError) as exc:
+            print(f"passthrough operator: --leader-elect-*: {exc}", file=sys.stderr)
+            return 2
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # Kopf's own client logs in from it
     try:
@@ -105,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     memo = kopf.Memo(
         kubeconfig=args.kubeconfig, grace=datetime.timedelta(seconds=grace), workers=args.workers, webhook_server=webhook_server
     )
+    if leadership is not None:
+        memo.leadership = leadership  # handlers.startup gates the reconciler on it
     OPERATOR_STATE.reconciler = lambda: memo.get("reconciler")  # made by handlers.startup
     return asyncio.run(_operate(memo, args))
 
@@ -117,9 +128,95 @@ async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"passthrough operator: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
         return 1
+    readiness = None
     try:
-        await kopf.operator(clusterwide=True, standalone=True, memo=memo, liveness_endpoint=args.liveness or None)
-    finally:
+        readiness = await _serve_readiness(args.readiness, lambda: _not_ready(memo))
+    except (OSError, ValueError) as exc:
+        print(f"passthrough operator: --readiness {args.readiness}: {exc}", file=sys.stderr)
         if endpoint is not None:
             await endpoint.cleanup()
+        return 1
+    try:
+        # standalone: no Kopf peering (see handlers.startup); --leader-elect is what lets replicas run side by side.
+        await kopf.operator(clusterwide=True, standalone=True, memo=memo, liveness_endpoint=args.liveness or None)
+    finally:
+        for runner in (endpoint, readiness):
+            if runner is not None:
+                await runner.cleanup()
     return 0
+
+
+# -- high availability: leader election and readiness --------------------------------------------
+
+
+def _leadership(args: argparse.Namespace) -> Any:
+    from passthrough.controller.leader import Leadership, Timing
+
+    timing = Timing(
+        lease_duration=parse_duration(args.leader_elect_lease_duration),
+        renew_deadline=parse_duration(args.leader_elect_renew_deadline),
+        retry_period=parse_duration(args.leader_elect_retry_period),
+    )
+    # A restarted container keeps its pod's name: the suffix keeps it from renewing, as if it had
+    # never stopped, a Lease its previous self held (client-go's controllers do the same).
+    identity = args.leader_elect_identity or f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    namespace = args.leader_elect_resource_namespace or os.environ.get("POD_NAMESPACE") or "default"
+    return Leadership(identity, args.leader_elect_resource_name, namespace, timing)
+
+
+def _listening_webhook_server(kopf: Any) -> Any:
+    """Kopf's WebhookServer, saying when it listens (for the readiness probe)."""
+
+    class WebhookServer(kopf.WebhookServer):
+        listening = False
+
+        async def __call__(self, fn):  # type: ignore[override]
+            async for config in super().__call__(fn):
+                self.listening = True
+                yield config
+
+    return WebhookServer
+
+
+def _not_ready(memo: Any) -> list[str]:
+    """What keeps this replica from answering admission requests right (empty: ready). Leadership
+    is not among them: every replica serves the webhooks from its own caches."""
+    missing = []
+    server = memo.get("webhook_server")
+    if server is not None and not server.listening:
+        missing.append("the webhook server does not listen yet")
+    if "indexed" not in memo or not memo.indexed.is_set():
+        missing.append("Kopf's indexes are not filled yet")
+    for name in ("node_devices", "devices"):
+        informer = memo.get(name)
+        if informer is None or not informer.synced.is_set():
+            missing.append(f"the {name.replace('_', ' ')} cache has no listing yet")
+    return missing
+
+
+async def _serve_readiness(url: str, not_ready: Any) -> Any:
+    """Serve GET `url`: 200 when `not_ready()` is empty, else 503 with its reasons; None without a URL."""
+    if not url:
+        return None
+    from urllib.parse import urlsplit
+
+    from aiohttp import web
+
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.port:
+        raise ValueError("an http://ADDR:PORT/PATH URL is needed")
+
+    async def probe(_: web.Request) -> web.Response:
+        missing = not_ready()
+        return web.Response(status=503 if missing else 200, text="; ".join(missing) + "\n" if missing else "ok\n")
+
+    app = web.Application()
+    app.router.add_get(parts.path or "/", probe)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, parts.hostname, parts.port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
