@@ -91,3 +91,32 @@ async def test_a_child_that_dies_is_replaced_for_the_next_job(tmp_path):
         assert e.value.reason == "DeviceGone"  # answered by a new child
     finally:
         await binder.close()
+
+
+async def test_what_a_bind_that_returned_late_moved_is_kept_for_the_agents_record(tmp_path):
+    """On Linux (tests/realkernel/test_busy.py) an unbind that blocked past the deadline finishes
+    the bind once the holder lets go: those devices are the agent's to give back later."""
+    from e2e.fakekernel import FakeKernel
+
+    problem = FakeKernel.unavailable(tmp_path)
+    if problem:
+        if os.environ.get("CI") == "true":
+            pytest.fail(problem)
+        pytest.skip(problem)
+    finished = asyncio.Event()
+    binder = Binder(deadline=1.0, on_finished=finished.set)
+    with FakeKernel(gpu_node(tmp_path)) as kernel:
+        host = kernel.host
+        host.hold_device(AUDIO)  # an open sound device: snd_hda_intel's remove waits for it
+        try:
+            with pytest.raises(BindError) as e:
+                await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=2)
+            assert e.value.reason == "WriteBlocked"
+            assert binder.take_late_moved() == {}
+            host.release(AUDIO)
+            await asyncio.wait_for(finished.wait(), 10)
+            assert binder.take_late_moved() == {GPU: "", AUDIO: ""}
+            assert binder.take_late_moved() == {}  # handed over once
+        finally:
+            host.release(AUDIO)
+            await binder.close()

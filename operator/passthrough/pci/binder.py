@@ -67,10 +67,18 @@ class Binder:
         self.on_finished = on_finished
         self.command = command
         self.overdue: dict[int, Overdue] = {}
+        # What late bind jobs moved to vfio-pci (address -> its old driver_override), for the
+        # agent's record: a write that returned after its deadline still moved devices.
+        self.late_moved: dict[str, str] = {}
         self._worker: asyncio.subprocess.Process | None = None
         self._set_aside: list[asyncio.subprocess.Process] = []
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
+
+    def take_late_moved(self) -> dict[str, str]:
+        """What late bind jobs moved to vfio-pci since the last call."""
+        moved, self.late_moved = self.late_moved, {}
+        return moved
 
     def overdue_addresses(self) -> frozenset[str]:
         return frozenset(a for job in self.overdue.values() for a in job.members)
@@ -168,6 +176,9 @@ class Binder:
         if task.cancelled():
             return
         error = task.exception()
+        if late.op == "bind":
+            answer = task.result() if error is None else {}
+            self.late_moved.update(answer.get("moved") or {})
         try:
             outcome = f"done ({_outcome(task.result())['writes']} writes)" if error is None else f"failed ({error})"
         except BindError as exc:
