@@ -21,9 +21,10 @@ drivers/pci/pci-driver.c and pci-sysfs.c, drivers/vfio/group.c):
   newline, an empty value (or a lone newline) clears it; 4095 bytes or more are EINVAL. Reads and
   writes take the device lock.
 - `drivers/<X>/unbind`: ENODEV unless the device is bound to X. Otherwise the device lock is
-  taken and the driver's remove runs, which waits while anything holds the device
-  (`FakeHost.hold`): the write blocks until `FakeHost.release` (or the holder's own
-  `lets_go_after`), then the device is unbound. It never refuses. A device marked `set_fragile`
+  taken, the driver links go (the device shows no driver from then on) and the driver's remove
+  runs, which waits while anything holds the device (`FakeHost.hold`): the write blocks until
+  `FakeHost.release` (or the holder's own `lets_go_after`); only then does `/dev/vfio/<group>`
+  go with the last member. It never refuses. A device marked `set_fragile`
   falls off the bus instead of staying unbound.
 - `drivers/<X>/bind`: ENODEV when the device is missing or X does not match it (its
   `driver_override` names another driver; without one, X is not its default driver, which stands
@@ -399,6 +400,12 @@ class FakeKernel:
             raise OSError(errno.ENODEV, "not bound to this driver")
         with self._device_lock(address):
             if self._kernel.driver(address):  # another unbind may have finished while we waited
+                # __device_release_driver removes the driver links before it calls the driver's
+                # remove: a device whose remove waits for its holder already shows no driver
+                # (seen under QEMU: tests/realkernel/test_simulation.py), while its group node stays.
+                link = self._kernel.device_dir(address) / "driver"
+                (link.resolve() / address).unlink(missing_ok=True)
+                link.unlink()
                 self._wait_for_holders(address)
                 if self._kernel.is_fragile(address):
                     self._kernel.remove_device(address)
