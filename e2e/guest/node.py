@@ -213,3 +213,85 @@ def allocate(guest: Guest, plugin_dir: str, resource: str, ids: list[str]) -> di
     """Allocate over the resource's device-plugin socket in the guest, as the kubelet calls it:
     {'socket', 'envs', 'devices'} of the one container asked for."""
     return guest.python(_ALLOCATE, plugin_dir=plugin_dir, resource=resource, ids=ids, timeout=120)
+
+
+def condition(device: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The condition `kind` of a NodePCIDevice ({} when it has none)."""
+    return next((c for c in device.get("status", {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def assign(node: GuestNode, address: str, namespace: str) -> None:
+    """The admin's act: spec.assignedNamespace of the node's device at `address` ("" unassigns)."""
+    name = node.devices()[address]["metadata"]["name"]
+    patch = json.dumps({"spec": {"assignedNamespace": namespace}})
+    node.cluster.kubectl("patch", "nodepcidevice", name, "--type=merge", "-p", patch)
+
+
+def ready(node: GuestNode, address: str, reason: str) -> dict[str, Any] | None:
+    """The device's Ready condition when its reason is `reason`, else None (for `wait`)."""
+    found = condition(node.devices().get(address, {}), "Ready")
+    return found if found.get("reason") == reason else None
+
+
+def events(node: GuestNode, address: str) -> list[dict[str, Any]]:
+    """The Events about the node's device at `address`."""
+    name = node.devices()[address]["metadata"]["name"]
+    listing = node.cluster.kubectl("get", "events", "-A", "--field-selector", f"involvedObject.name={name}", "-o", "json")
+    return json.loads(listing.stdout)["items"]
+
+
+def guest_clock(guest: Guest) -> float:
+    """time.monotonic() in the guest (what `PluginWatch` stamps its updates with)."""
+    return guest.python("import time; result = time.monotonic()")
+
+
+_WATCH_START = """
+import threading, time
+from pathlib import Path
+import grpc
+from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api, api_pb2_grpc as api_grpc
+from passthrough.deviceplugin.server import socket_name
+plugin_dir = Path(args['plugin_dir'])
+channel = grpc.insecure_channel(f"unix://{plugin_dir / socket_name(args['resource'], plugin_dir)}")
+stream = api_grpc.DevicePluginStub(channel).ListAndWatch(api.Empty())
+seen = []
+def read():
+    try:
+        for reply in stream:
+            seen.append((time.monotonic(), {d.ID: d.health for d in reply.devices}))
+    except Exception as exc:  # the stream ends when the plugin stops (or the watch is stopped)
+        seen.append((time.monotonic(), {'error': type(exc).__name__}))
+threading.Thread(target=read, daemon=True).start()
+state['watch:' + args['resource']] = (channel, stream, seen)
+"""
+_WATCH_READ = "result = list(state['watch:' + args['resource']][2])"
+_WATCH_STOP = """
+channel, stream, seen = state.pop('watch:' + args['resource'])
+stream.cancel()
+channel.close()
+"""
+
+
+class PluginWatch:
+    """ListAndWatch of one resource's device plugin, read in the guest as the kubelet reads it:
+    every update, stamped with the guest's time.monotonic()."""
+
+    def __init__(self, guest: Guest, plugin_dir: str, resource: str) -> None:
+        self.guest, self.resource = guest, resource
+        guest.python(_WATCH_START, plugin_dir=plugin_dir, resource=resource)
+
+    def updates(self) -> list[tuple[float, dict[str, str]]]:
+        return [(at, devices) for at, devices in self.guest.python(_WATCH_READ, resource=self.resource)]
+
+    def first(self, check: Callable[[dict[str, str]], bool], since: float = 0.0) -> float | None:
+        """The guest time of the first update from `since` on for which `check(devices)` holds."""
+        return next((at for at, devices in self.updates() if at >= since and check(devices)), None)
+
+    def stop(self) -> None:
+        self.guest.python(_WATCH_STOP, resource=self.resource)
+
+    def __enter__(self) -> PluginWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

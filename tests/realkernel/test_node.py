@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 import pytest
 
 from e2e.guest.machine import AUDIO, DISPLAY, address
 from e2e.guest.node import GuestNode, allocate, drivers, wait, wait_drivers
 from e2e.guest.vmm import NestedVmm
-from e2e.processes import OperatorProcess
 from passthrough.pci.naming import resource_env_name
 
 DISPLAY_FN, AUDIO_FN = address("gpu", 0), address("gpu", 1)  # a GPU-like pair: one IOMMU group
@@ -27,40 +25,6 @@ def _condition(device: dict, kind: str) -> str:
         if condition["type"] == kind:
             return condition["status"]
     return ""
-
-
-@pytest.fixture(scope="module")
-def operator(cluster, tmp_path_factory):
-    proc = OperatorProcess(cluster, tmp_path_factory.mktemp("rk-operator") / "operator.log")
-    proc.start(timeout=60)
-    yield proc
-    proc.stop()
-    assert "Traceback" not in proc.output(), proc.output()[-5000:]
-
-
-@pytest.fixture(scope="module")
-def node(guest, cluster, operator):
-    """Node rk-<id> in the guest: the real kubelet, then the agent, once every device is reported."""
-    node = GuestNode(guest, cluster, f"rk-{uuid.uuid4().hex[:6]}")
-    try:
-        node.start_kubelet()
-        node.start_agent()
-        started = time.monotonic()
-        wait(lambda: {DISPLAY_FN, AUDIO_FN} <= set(node.devices()), 300, f"the agent on {node.name} to report", node)
-        node.timings["agent first report"] = time.monotonic() - started
-        print(f"\nguest node {node.name}: " + ", ".join(f"{k} {v:.1f}s" for k, v in node.timings.items()))
-        yield node
-    finally:
-        log = node.stop()
-    assert "Traceback" not in log, log
-
-
-@pytest.fixture(scope="module")
-def tenant(cluster):
-    name = f"rk-tenant-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def _assign(node: GuestNode, address_: str, namespace: str) -> None:
