@@ -83,12 +83,14 @@ def values_file(path: Path, values: dict) -> str:
 # -- what helm renders -------------------------------------------------------------------------
 
 
-def test_default_values_render_the_models_defaults_and_one_recreated_operator(helm):
+def test_default_values_render_the_models_defaults_and_two_operator_replicas(helm):
     helm("lint", "--strict", str(CHART))
     objects = template(helm, "passthrough", "passthrough-system")
     assert sorted(o["kind"] for o in objects) == sorted(
         ["ServiceAccount", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
          "Role", "RoleBinding", "Deployment", "DaemonSet", "PassthroughConfig",
+         # Two operator replicas (tests/integration/test_chart_ha.py): the Lease's Role, the disruption budget.
+         "Role", "RoleBinding", "PodDisruptionBudget",
          # Who may do what: the tenants' read (aggregated), the device admin, the agent's confinement.
          "ClusterRole", "ClusterRole", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
          "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding",
@@ -105,11 +107,12 @@ def test_default_values_render_the_models_defaults_and_one_recreated_operator(he
     assert config["spec"] == PassthroughConfigSpec().model_dump(by_alias=True)
 
     deployment = one(objects, "Deployment")
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     operator = container(objects, "Deployment")
     assert operator["command"][:3] == ["passthrough", "operator", "--liveness=http://0.0.0.0:8080/healthz"]
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert operator["ports"] == [{"name": "healthz", "containerPort": 8080, "protocol": "TCP"},
+                                 {"name": "readyz", "containerPort": 8081, "protocol": "TCP"},
                                  {"name": "webhook", "containerPort": 9443, "protocol": "TCP"},
                                  {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]  # fmt: skip
     pod = deployment["spec"]["template"]["spec"]
@@ -257,7 +260,7 @@ def test_the_default_values_and_documented_overrides_pass_lint_strict(helm, tmp_
     ("flag", "message"),
     [
         ("--set=gpu.replaceDefault=true", "at '/gpu': additional properties 'replaceDefault' not allowed"),
-        ("--set=operator.replicas=2", "at '/operator': additional properties 'replicas' not allowed"),
+        ("--set=operator.replica=2", "at '/operator': additional properties 'replica' not allowed"),
         ("--set=agent.devicePlugin.poolResource=false", "at '/agent/devicePlugin': additional properties 'poolResource' not allowed"),
     ],
 )
@@ -556,7 +559,7 @@ async def test_the_operator_does_its_work_with_only_its_service_account(api, clu
     values = {**PLATFORM, "kubevirt": {**PLATFORM["kubevirt"], "namespace": kubevirt_ns}}
     config = one(template(helm, release["name"], release["namespace"], values_file(tmp_path / "values.yaml", values)),
                  "PassthroughConfig")  # fmt: skip
-    args = [a for a in command_line(release["objects"], "Deployment", "--metrics-port=0")[4:] if not a.startswith("--liveness=")]
+    args = [a for a in command_line(release["objects"], "Deployment", "--metrics-port=0")[4:] if not a.startswith(("--liveness=", "--readiness="))]
     # The webhook serves on 127.0.0.1 with a certificate made here (its flags follow, and win).
     operator = OperatorProcess(cluster, tmp_path / "operator.log", *args, f"--kubeconfig={release['kubeconfig']['operator']}",
                                webhook=WebhookServing(tmp_path / "webhook-tls"))  # fmt: skip

@@ -182,7 +182,7 @@ def with_value(path: str, value: Any) -> dict[str, Any]:
         ("gpu.permittedHostDevices.pciHostDevices", [{"pciVendorSelector": "10de:2236", "resourceName": "x", "extra": 1}],
          "/gpu/permittedHostDevices/pciHostDevices/0: additional property 'extra' not allowed"),
         ("operator.workers", "16", "/operator/workers: got str, want integer"),
-        ("operator.replicas", 2, "/operator: additional property 'replicas' not allowed"),
+        ("operator.replica", 2, "/operator: additional property 'replica' not allowed"),
         ("agent.rescanInterval", "soon", "/agent/rescanInterval: matches none of anyOf"),
         ("agent.tolerations", [{"operater": "Exists"}], "/agent/tolerations/0: additional property 'operater' not allowed"),
         ("image.pullPolicy", "Sometimes", "/image/pullPolicy: 'Sometimes' is not one of"),

@@ -93,15 +93,19 @@ class PodValues(Values):
 
 
 class OperatorValues(PodValues):
-    """The operator's Deployment: always one replica, replaced with strategy Recreate (Kopf runs active/standby only)."""
+    """The operator's Deployment: every replica serves the webhooks, the holder of the Lease reconciles."""
 
+    replicas: int = Field(ge=1, description="Replicas; two or more keep the webhooks answering while one restarts.")
     workers: int = Field(ge=1, description="Devices reconciled in parallel.")
     livenessPort: Port = Field(description="Port of Kopf's liveness endpoint, which the liveness probe reads.")
-    affinity: Affinity | None = Field(default=None, description="The operator pod's scheduling constraints.")
+    readinessPort: Port = Field(description="Port of the readiness endpoint: ready once the webhooks listen and the caches are filled.")
+    affinity: Affinity | None = Field(
+        default=None, description="The operator pod's scheduling constraints; empty: replicas preferably on different nodes."
+    )
 
 
 class IssuerRef(Values):
-    """cert-manager's issuerRef; empty: a self-signed Issuer made by the chart."""
+    """cert-manager's issuerRef; empty: a CA of the chart's own, through a CA Issuer."""
 
     # `{}` is the default, so `name` is required only once another key is given.
     model_config = ConfigDict(json_schema_extra={"dependencies": {"kind": ["name"], "group": ["name"]}})
@@ -114,7 +118,7 @@ class IssuerRef(Values):
 class CertManagerValues(Values):
     enabled: bool = Field(description="cert-manager issues the certificate and its CA injector sets the caBundle.")
     issuerRef: IssuerRef | None = Field(
-        default=None, description="The issuer that signs it; empty: a self-signed Issuer made by the chart."
+        default=None, description="The issuer that signs it; empty: a CA of the chart's own (self-signed), through a CA Issuer."
     )
 
 
