@@ -18,6 +18,12 @@ namespace `kubevirt` and the `cluster` PassthroughConfig naming it. What each fi
   so it waits out the whole debounce as an admin's edit would.
 - a large config: the config rewritten with --entries user pciHostDevices entries (all new
   each run); the time until the CR shows all of them, and the operator's writes.
+- the CR's ceiling: the operator's apply body for --ceiling assigned devices (10,000; one
+  exclusive entry each, after the default table) applied under the operator's field manager
+  to a KubeVirt CR of its own (which the apply makes: without an install's other fields), and read back: the CR's size as stored (compact JSON, which is
+  what etcd holds for a custom resource), bytes per assigned device, whether the render warns
+  (the config's status.warnings), and then --ceiling-step more devices at a time until the
+  API server refuses the write, which is where etcd's request limit (1.5 MiB) stops it.
 Render-only timings are bench_render.py's.
 
 Nothing is asserted: the figures are printed, with the API server's breakdown.
@@ -179,6 +185,42 @@ class Bench:
         print(f"large config writes:      {sum(writes.values()) / runs:g} per run ({describe(writes, runs)})")
 
 
+async def ceiling(api: client.ApiClient, count: int, step: int) -> None:
+    """The KubeVirt CR at `count` assigned devices, then `step` more at a time until refused."""
+    import hashlib
+
+    from passthrough.kube.client import ApiError
+    from passthrough.kube.custom import OPERATOR_MANAGER
+    from passthrough.kubevirt.allowlist import AssignedDevice
+    from passthrough.kubevirt.render import render
+    from passthrough.kubevirt.values import parse_values
+
+    kind = Custom(api, "kubevirts", namespaced=True, group="kubevirt.io", version="v1")
+    values = parse_values({"kubevirt": {"namespace": NAMESPACE, "name": "ceiling"}})
+    devices = count
+    while True:
+        # Names as the agents make them (pci- + 40 hex digits), one A10 model for all.
+        assigned = [AssignedDevice(f"pci-{hashlib.sha1(str(i).encode()).hexdigest()}", "10de", "2236") for i in range(devices)]
+        rendered = render(values, assigned)
+        try:
+            stored = await kind.apply(rendered.patch, OPERATOR_MANAGER)
+        except ApiError as exc:
+            print(f"                          {devices} assigned devices: refused ({exc.status} {exc.message[:120]})")
+            return
+        size = len(json.dumps(stored, separators=(",", ":")).encode())
+        warned = [w for w in rendered.warnings if "etcd" in w]
+        if devices == count:
+            print(f"KubeVirt CR ceiling:      {size / 2**20:.2f} MiB stored at {devices} assigned devices "
+                  f"({len(rendered.pci_host_devices)} pciHostDevices entries; our apply body {rendered.size / 2**20:.2f} MiB, "
+                  f"{(rendered.size - render(values, []).size) / devices:.0f} bytes per assigned device); the config "
+                  f"{'warns: ' + warned[0][:160] + '...' if warned else 'does not warn'}")
+        else:
+            print(f"                          {devices} assigned devices: {size / 2**20:.2f} MiB stored")
+        if step <= 0:
+            return
+        devices += step
+
+
 def operator_writes(before: Counter, after: Counter, own: dict) -> Counter:
     """The writes between two counts to the resources we watch, less the benchmark's own (`own`)."""
     writes = Counter({k: v for k, v in support.diff(before, after).items() if k[0] in TOUCHED})
@@ -209,6 +251,7 @@ async def bench(local: cluster.LocalCluster, log: Path, args: argparse.Namespace
         await run.changes(args.changes)
         await run.noops(args.noops)
         await run.large(args.entries, args.big_runs)
+        await ceiling(api, args.ceiling, args.ceiling_step)
         print(f"operator RSS:             {psutil.Process(operator.proc.pid).memory_info().rss / 2**20:.0f} MiB at the end")
     finally:
         operator.stop()
@@ -226,6 +269,8 @@ def main() -> int:
     parser.add_argument("--noops", type=int, default=10, help="no-op events of each kind")
     parser.add_argument("--entries", type=int, default=2000, help="user pciHostDevices entries in the large config")
     parser.add_argument("--big-runs", type=int, default=3, help="writes of the large config")
+    parser.add_argument("--ceiling", type=int, default=10000, help="assigned devices at which to measure the KubeVirt CR")
+    parser.add_argument("--ceiling-step", type=int, default=500, help="more devices at a time until the CR is refused (0: none)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-kubevirt-") as tmp:

@@ -12,9 +12,13 @@ operator runs as its own process. In one run, with the machine's core count, it 
   floor for the same N writes (the bodies `lifecycle.decide` makes, turned aside so that the
   operator leaves them alone) by a plain kubernetes-asyncio client at full concurrency;
 - at the largest size: assignment latency one at a time (admin's spec write returning to
-  the PCIDevice visible through a watch, p50/p99), a burst of assignments at once beside its
-  floor (the same PCIDevice create + status and NodePCIDevice status writes by a plain
-  client) with the CPU every process spent in each, writes per assignment, then enough
+  the PCIDevice visible through a watch, p50/p99); bursts of assignments at once (three by
+  default), each from the first admin write to the last Assigned=True and to everything
+  quiet (the last write of our objects or Event a watch sees), beside its floor: the
+  operator's own writes and Events for as many assignments (PCIDevice create + status,
+  NodePCIDevice status, two Events) by a plain client at full concurrency, with the operator
+  stopped so that nothing reacts to them; the median ratio and its spread, the CPU every
+  process spent in each, writes per assignment; then enough
   assignments for `--assigned` PCIDevices and the operator's peak RSS with all of them, and
   the writes during an idle period (must be 0);
 - a restart over all of it, every condition already holding: its writes (must be 0) and the
@@ -48,7 +52,10 @@ from passthrough.api.models import API_VERSION, GROUP, VERSION  # noqa: E402
 from passthrough.controller import lifecycle  # noqa: E402
 from passthrough.kube.cache import Informer  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
+from passthrough.kube.client import session_of  # noqa: E402
 from passthrough.kube.custom import AGENT_MANAGER, OPERATOR_MANAGER, Custom  # noqa: E402
+from passthrough.kube.events import EventRecorder  # noqa: E402
+from passthrough.kube.watch import watch_events  # noqa: E402
 
 OURS = ("pcidevices", "nodepcidevices")
 PER_NODE = 100
@@ -69,8 +76,9 @@ def cpu_seconds(pid: int) -> float:
 class CPU:
     """CPU seconds of the operator, the control plane and this process over a stretch of time."""
 
-    def __init__(self, cluster: local.LocalCluster, operator: OperatorProcess) -> None:
-        self.pids = {"operator": operator.proc.pid, **{p.name: p.pid for p in cluster.processes}, "benchmark": os.getpid()}
+    def __init__(self, cluster: local.LocalCluster, operator: OperatorProcess | None) -> None:
+        self.pids = {**({"operator": operator.proc.pid} if operator else {}), **{p.name: p.pid for p in cluster.processes},
+                     "benchmark": os.getpid()}  # fmt: skip
         self.before, self.started = self._now(), time.monotonic()
 
     def _now(self) -> dict[str, float]:
@@ -108,12 +116,14 @@ class Watched:
         self.conditioned: set[str] = set()
         self.first: dict[str, float] = {}
         self.done: dict[str, float] = {}  # when each NodePCIDevice was first seen Assigned=True
+        self.last_change = 0.0  # when a watch last saw one of our objects change
         self._changed = asyncio.Event()
         self.node_devices = Informer(api, "nodepcidevices", Seen.of, {}, self._node_device)
         self.devices = Informer(api, "pcidevices", Seen.of, {}, self._device)
         self.tasks = [asyncio.create_task(self.node_devices.run()), asyncio.create_task(self.devices.run())]
 
     def _node_device(self, old: Seen | None, new: Seen | None) -> None:
+        self.last_change = time.monotonic()
         if new is not None and new.assigned:
             self.done.setdefault(new.name, time.monotonic())
         if new is not None and new.conditioned:
@@ -123,6 +133,7 @@ class Watched:
         self._changed.set()
 
     def _device(self, old: Seen | None, new: Seen | None) -> None:
+        self.last_change = time.monotonic()
         if new is not None:
             self.first.setdefault(new.name, time.monotonic())
             self._changed.set()
@@ -145,6 +156,29 @@ class Watched:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class EventsSeen:
+    """When a watch on every namespace's Events last saw one posted or counted up."""
+
+    def __init__(self, api) -> None:
+        self.session = session_of(api)
+        self.last = 0.0
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            listing = await self.session.request("GET", "/api/v1/events", query={"limit": 1})
+            try:
+                async for kind, _ in watch_events(self.session, "/api/v1/events", resourceVersion=listing["metadata"]["resourceVersion"]):
+                    if kind in ("ADDED", "MODIFIED"):
+                        self.last = time.monotonic()
+            except Exception:  # an expired watch: start again from now
+                await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
 class Fleet:
@@ -176,17 +210,18 @@ class Fleet:
         return time.monotonic() - started
 
 
-def operator_writes(record: dict, namespace: str = "") -> list:
+def operator_writes(record: dict, namespace: str = "", events: bool = False) -> list:
     """The writes the operator itself decides for a device as `record` shows it (assigned to
     `namespace`), turned so that it leaves them alone: the PCIDevice named floor-..., its own
-    condition types on the NodePCIDevice. The floor writes these: the same bodies, sizes and
-    all, by a plain client."""
+    condition types on the NodePCIDevice; with `events`, its Events too. The floor writes
+    these: the same bodies, sizes and all, by a plain client."""
     body = {**record, "spec": {**(record.get("spec") or {}), "assignedNamespace": namespace}}
     world = lifecycle.World(name=record["metadata"]["name"], node_device=lifecycle.NodeDevice.of(body), devices=(),
                             namespaces={namespace: "Active"} if namespace else {}, referencing_vms={},
                             now=datetime.datetime.now(datetime.UTC))
+    plan = lifecycle.decide(world)
     writes = []
-    for write in lifecycle.decide(world).writes:
+    for write in plan.writes:
         body = copy.deepcopy(write.body)
         if isinstance(write, lifecycle.ApplyNodeDeviceStatus):
             body["status"].pop("assignedNamespaceRef", None)
@@ -196,32 +231,31 @@ def operator_writes(record: dict, namespace: str = "") -> list:
         else:
             body["metadata"]["name"] = f"floor-{body['metadata']['name']}"
             writes.append(("pcidevices-status" if isinstance(write, lifecycle.ApplyDeviceStatus) else "pcidevices", body))
+    for event in plan.events if events else ():
+        involved = {"api_version": API_VERSION, "kind": event.kind, "name": f"floor-{record['metadata']['name']}",
+                    "uid": record["metadata"]["uid"], **({"namespace": event.namespace} if event.kind == "PCIDevice" else {})}
+        writes.append(("event", (involved, event.type, event.reason, event.message)))
     return writes
 
 
-FLOOR_ANNOTATION = "bench.passthrough.io/floor"  # what the floor's admin write sets: the same verb, a field no one reads
-
-
-def admin_write(name: str, namespace: str) -> tuple[str, dict]:
-    return ("admin", {"name": name, "namespace": namespace})
-
-
 async def floor_of(api, bodies: list[list]) -> float:
-    """Each list of writes in order, all lists at once, by a plain client at full concurrency."""
+    """Each list of writes in order, all lists at once, by a plain client at full concurrency
+    (Events as the operator posts them, but all at once: none waits for a quiet moment)."""
+    recorder = EventRecorder(api, "bench-floor", concurrency=64)
     kinds = {"nodepcidevices": (Custom(api, "nodepcidevices"), True), "pcidevices": (Custom(api, "pcidevices", namespaced=True), False),
              "pcidevices-status": (Custom(api, "pcidevices", namespaced=True), True)}
 
     async def one(writes: list) -> None:
         for kind, body in writes:
-            if kind == "admin":  # the admin's spec write, as the burst makes it, turned aside
-                annotation = {"metadata": {"annotations": {FLOOR_ANNOTATION: body["namespace"]}}}
-                await support.merge_node_device(api, body["name"], annotation)
+            if kind == "event":
+                recorder.post(*body)
                 continue
             custom, status = kinds[kind]
             await custom.apply(body, "bench-floor", status=status)
 
     started = time.monotonic()
     await asyncio.gather(*(one(w) for w in bodies))
+    await recorder.drain()
     return time.monotonic() - started
 
 
@@ -266,10 +300,12 @@ async def assign_many(api, names: list[str], namespaces: list[str], concurrency:
     await asyncio.gather(*(one(i, n) for i, n in enumerate(names)))
 
 
-async def one_burst(api, cluster, operator, watched, fleet, namespaces: list[str], burst: list[str], floor_names: list[str],
-                    round_: int) -> float:  # fmt: skip
-    """`burst` assigned at once, then the floor of the same writes for the first half of
-    `floor_names`, and of the operator's writes alone for the other half; the ratio to the first."""
+async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: list[str], burst: list[str],
+                    floor_names: list[str], round_: int, operator_args: list[str], workdir: Path) -> tuple[float, OperatorProcess]:  # fmt: skip
+    """`burst` assigned at once, measured until everything is quiet (the last write of our
+    objects or an Event the watches see); then, with the operator stopped, the floor: the same
+    writes and Events the operator made, for `floor_names`, by a plain client at full
+    concurrency. Returns the ratio of the two, and the operator (started again)."""
     before = await support.write_counts(api)
     cpu_before = cpu_seconds(operator.proc.pid)
     cpu_burst = CPU(cluster, operator)
@@ -282,34 +318,37 @@ async def one_burst(api, cluster, operator, watched, fleet, namespaces: list[str
 
     await asyncio.gather(*(assign_one(i, n) for i, n in enumerate(burst)))
     visible = await watched.until(lambda: all(n in watched.first for n in burst), 300, "the burst's PCIDevices") - started
-    total = await watched.until(lambda: all(n in watched.done for n in burst), 300, "the burst's Assigned conditions") - started
-    cpu_burst = str(cpu_burst)
+    done = await watched.until(lambda: all(n in watched.done for n in burst), 300, "the burst's Assigned conditions") - started
+    cpu_burst = str(cpu_burst)  # to the last Assigned=True (the Events come after)
     cpu = cpu_seconds(operator.proc.pid) - cpu_before
     p50, p99 = support.p50_p99([watched.first[n] - written_at[n] for n in burst])
     await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
+    quiet = max(watched.last_change, events.last) - started
     after = await support.write_counts(api)
     burst_writes = support.writes_between(before, after, *OURS) - len(burst)
     burst_events = support.writes_between(before, after, "events")
-    # The floor: every write the burst is made of (the admin's spec write, then the operator's
-    # three), by a plain client at full concurrency. Beside it, the operator's writes alone.
-    floor_names, alone_names = floor_names[:len(burst)], floor_names[len(burst):]
-    cpu_floor = CPU(cluster, operator)
-    burst_floor = await floor_of(api, [[admin_write(n, "bench-floor"), *operator_writes(fleet.records[n], "bench-floor")]
-                                       for n in floor_names])  # fmt: skip
+
+    # The floor, with the operator stopped so that nothing reacts to the floor's objects: the
+    # operator's writes and Events alone (the admin's spec writes are the burst's cause, not its cost).
+    operator.stop()
+    bodies = [operator_writes(fleet.records[n], "bench-floor", events=True) for n in floor_names]
+    cpu_floor = CPU(cluster, None)
+    floor = await floor_of(api, bodies)
     cpu_floor = str(cpu_floor)
     await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
-    operator_floor = await floor_of(api, [operator_writes(fleet.records[n], "bench-floor") for n in alone_names])
-    await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
+    operator, _ = await start_operator(cluster, workdir, f"after-floor-{round_}", operator_args)
+    await until_started_up(operator, 300)
+    await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
+    floor_writes = sum(len(b) for b in bodies)
     print(f"burst {round_}: {len(burst)} assignments at once (the admin's writes returned within "
-          f"{max(written_at.values()) - started:.2f}s): all PCIDevices visible {visible:.2f}s and every assignment done "
-          f"(Assigned=True seen) {total:.2f}s after the first write (PCIDevice latency p50 "
-          f"{p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms), {burst_writes / len(burst):.2f} writes and "
-          f"{burst_events / len(burst):.2f} Events per assignment, operator CPU {cpu:.1f}s; floor (the same "
-          f"{4 * len(floor_names)} writes, the admin's {len(floor_names)} and the operator's {3 * len(floor_names)}, by a "
-          f"plain client) {burst_floor:.2f}s: burst/floor {total / burst_floor:.2f}x; against the operator's writes alone "
-          f"{operator_floor:.2f}s: {total / operator_floor:.2f}x")
+          f"{max(written_at.values()) - started:.2f}s), from the first write: all PCIDevices visible {visible:.2f}s, every "
+          f"assignment done (Assigned=True seen) {done:.2f}s, everything quiet (the last write or Event seen) {quiet:.2f}s; "
+          f"PCIDevice latency p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms; {burst_writes / len(burst):.2f} writes and "
+          f"{burst_events / len(burst):.2f} Events per assignment, operator CPU {cpu:.1f}s")
+    print(f"  floor, operator stopped: the operator's {floor_writes} writes and Events for {len(floor_names)} assignments by a "
+          f"plain client {floor:.2f}s; burst/floor {quiet / floor:.2f}x to quiet ({done / floor:.2f}x to the last Assigned=True)")
     print(f"  burst {cpu_burst}\n  floor {cpu_floor}")
-    return total / burst_floor
+    return quiet / floor, operator
 
 
 async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
@@ -319,6 +358,7 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         await support.create_namespace(api, ns)
     fleet = Fleet(api)
     watched = Watched(api)
+    events_seen = EventsSeen(api)
     sizes = sorted(args.sizes)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
     rows = []
@@ -365,17 +405,21 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
               f"p99 {p99 * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms; {writes / len(sequential):.2f} writes per "
               f"assignment (PCIDevice create + status, NodePCIDevice status), plus {events / len(sequential):.2f} Events")
 
-        # Bursts, each beside its floor (the ratio varies by a tenth from one to the next on a
-        # busy 2-core machine; the median is reported).
+        # Bursts, each beside its floor (the ratio varies from one to the next on a busy 2-core
+        # machine: the median and the spread are reported).
         bursts = []
         ratios = []
         for round_ in range(1, args.bursts + 1):
             burst = [next(free) for _ in range(args.burst)]
-            floor_names = [next(free) for _ in range(2 * args.burst)]  # for the floor, and for the operator's writes alone
-            ratios.append(await one_burst(api, cluster, operator, watched, fleet, namespaces, burst, floor_names, round_))
+            floor_names = [next(free) for _ in range(args.burst)]
+            ratio, operator = await one_burst(api, cluster, operator, watched, events_seen, fleet, namespaces, burst, floor_names,
+                                              round_, args.operator_args, workdir)  # fmt: skip
+            ratios.append(ratio)
             bursts += burst
         ratio = statistics.median(ratios)
-        print(f"burst/floor over {len(ratios)} bursts: median {ratio:.2f}x ({', '.join(f'{r:.2f}x' for r in ratios)})")
+        spread = f"{min(ratios):.2f}x to {max(ratios):.2f}x"
+        print(f"burst/floor (operator alone, to quiet) over {len(ratios)} bursts: median {ratio:.2f}x, {spread} "
+              f"({', '.join(f'{r:.2f}x' for r in ratios)})")
 
         # Up to `--assigned` PCIDevices, then the memory they cost.
         more = [next(free) for _ in range(max(0, args.assigned - len(sequential) - len(bursts)))]
@@ -415,12 +459,14 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             per = 1000 / (s1 - s0)
             print(f"per 1,000 devices more: start-up +{(t1 - t0) * per:.1f}s, peak RSS +{(r1 - r0) * per:.1f} MiB")
         print(f"memory with {biggest} NodePCIDevices and {len(assigned)} PCIDevices: {memory:.0f} MiB")
-        print(f"burst/floor: median {ratio:.2f}x over {len(ratios)} bursts of {args.burst} assignments")
+        print(f"burst/floor (operator alone, to quiet): median {ratio:.2f}x ({spread}) over {len(ratios)} bursts of "
+              f"{args.burst} assignments")
         print(f"restart: {restart_writes} writes, queue empty after {ready:.1f}s")
     finally:
         if operator is not None:
             operator.stop()
         await watched.close()
+        await events_seen.close()
         await api.close()
 
 
@@ -431,11 +477,11 @@ def main() -> int:
     parser.add_argument("--assigned", type=int, default=5000, help="PCIDevices at the largest size, for the memory figure")
     parser.add_argument("--sequential", type=int, default=200)
     parser.add_argument("--burst", type=int, default=500)
-    parser.add_argument("--bursts", type=int, default=3, help="bursts, each beside its floor")
+    parser.add_argument("--bursts", type=int, default=3, help="bursts, each beside its floor (at least 3 for a median)")
     parser.add_argument("--idle", type=float, default=30, help="seconds of idleness to count writes over")
     parser.add_argument("--operator-args", nargs="*", default=[], help="extra arguments for passthrough operator")
     args = parser.parse_args()
-    if max(args.sizes) < args.assigned or max(args.sizes) < args.sequential + 2 * args.burst:
+    if max(args.sizes) < max(args.assigned, args.sequential + args.burst * args.bursts) + args.burst * args.bursts:
         parser.error("the largest size must hold --assigned devices and the sequential, burst and floor ones")
     with tempfile.TemporaryDirectory() as tmp:
         cluster = local.start(Path(tmp))

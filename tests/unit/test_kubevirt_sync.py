@@ -226,3 +226,21 @@ def test_the_models_kubevirt_serves_itself_come_from_the_rendered_allow_list_or_
     assert served_by_kubevirt(values, plan.rendered) == before
     # The values changed but are invalid: KubeVirt keeps the last good allow-list, and so do we.
     assert served_by_kubevirt(config({"gpu": {"variant": "nonsense"}}), plan.rendered) == before
+
+
+def test_the_config_warns_well_before_the_kubevirt_cr_reaches_etcds_limit():
+    import hashlib
+
+    def devices(count: int) -> list[AssignedDevice]:
+        return [AssignedDevice(f"pci-{hashlib.sha1(str(i).encode()).hexdigest()}", "10de", "2236") for i in range(count)]
+
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, (), frozenset())
+    small = plan_sync(config(), live, devices(1000), [], None, NOW)
+    assert not any("etcd" in w for w in status_after(small)["warnings"])
+    # About 7,400 devices make our part 1 MiB: two thirds of etcd's 1.5 MiB, 3,000 devices before it.
+    big = plan_sync(config(), live, devices(7500), [], None, NOW)
+    (warning,) = [w for w in status_after(big)["warnings"] if "etcd" in w]
+    assert big.rendered.size > 2**20 and f"{big.rendered.size / 2**20:.2f} MiB" in warning
+    assert "7519 pciHostDevices entries, 7500 of them assigned devices' own" in warning
+    room = int(warning.split("about ")[1].split(" more assigned devices")[0])
+    assert 2500 < room < 3500, warning

@@ -8,6 +8,11 @@ Decisions a platform admin should know:
 
 - Inside `permittedHostDevices` an empty list is left out, so this field manager stops owning
   it and server-side apply removes it (see `values` for when the whole block is left out).
+- The KubeVirt CR has a ceiling: etcd refuses an object past its request limit (1.5 MiB by
+  default), and each assigned device adds one entry of about 140 bytes (its own resource
+  name; KubeVirt permits a device by its resource name, and ours are one per device), so
+  about 10,000 assigned devices fill it. From 1 MiB on, the render warns (the config's
+  status.warnings) with the size and how many more devices fit.
 - Feature gates: `HostDevices`, then `extraFeatureGates`, without duplicates ("ours"), then
   the live gates that are not ours, in their live order. KubeVirt's `featureGates` list is
   atomic, so a live gate is dropped only when we applied it last time (the config's status)
@@ -30,6 +35,11 @@ import yaml
 from passthrough.api.models import PassthroughConfigSpec
 from passthrough.kubevirt.allowlist import AssignedDevice
 from passthrough.kubevirt.values import HOST_DEVICES_GATE, plan_spec
+from passthrough.pci.naming import EXCLUSIVE_DOMAIN
+
+
+ETCD_REQUEST_LIMIT = 1536 * 1024  # etcd's default --max-request-bytes: the largest object it stores
+CR_SIZE_WARNING = 1024 * 1024  # bytes of our part of the KubeVirt CR past which the render warns
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,23 @@ class Rendered:
     mediated_devices: list[dict]
     warnings: list[str]
     left_out: dict[str, str] = field(default_factory=dict)  # assigned device -> why it has no entry
+    size: int = 0  # bytes of the apply body as compact JSON (what it adds to the CR stored in etcd)
+
+
+def patch_size(patch: dict) -> int:
+    return len(json.dumps(patch, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def size_warning(size: int, entries: int, exclusive: int) -> str | None:
+    """What to tell the admin when our part of the KubeVirt CR nears etcd's limit."""
+    if size < CR_SIZE_WARNING:
+        return None
+    per = size / max(entries, 1)
+    room = max(0, int((ETCD_REQUEST_LIMIT - size) / per)) if per else 0
+    return (f"KubeVirt's allow-list makes the KubeVirt CR {size / 2**20:.2f} MiB ({entries} pciHostDevices entries, {exclusive} "
+            f"of them assigned devices' own); etcd refuses an object past its request limit ({ETCD_REQUEST_LIMIT / 2**20:.1f} MiB "
+            f"by default, --max-request-bytes), about {room} more assigned devices at {per:.0f} bytes each, and the rest of the CR "
+            "needs room too. Raise etcd's --max-request-bytes (and the API server's), or unassign devices that no VM uses.")
 
 
 @functools.cache
@@ -132,7 +159,12 @@ def render(
         mediated_devices=mdev,
         feature_gates=gates,
     )
-    return Rendered(patch, gates, ours, pci, mdev, plan.warnings, plan.allow_list.left_out)
+    size = patch_size(patch)
+    warnings = list(plan.warnings)
+    exclusive = sum(1 for e in pci if str(e.get("resourceName", "")).startswith(EXCLUSIVE_DOMAIN + "/"))
+    if (warning := size_warning(size, len(pci) + len(mdev), exclusive)) is not None:
+        warnings.append(warning)
+    return Rendered(patch, gates, ours, pci, mdev, warnings, plan.allow_list.left_out, size)
 
 
 def cozystack_package(rendered: Rendered) -> dict:
