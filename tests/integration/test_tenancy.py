@@ -11,9 +11,11 @@ agent (over a fixture GPU host with its simulated kernel) run throughout.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -504,3 +506,92 @@ async def test_only_the_operator_writes_pcidevices_even_where_rbac_lets_a_tenant
         await client.CustomObjectsApi(operator_api).patch_namespaced_custom_object(
             GROUP, VERSION, team, "pcidevices", name, {"metadata": {"labels": {"probe": "yes"}}},
             _content_type="application/merge-patch+json", dry_run="All")  # fmt: skip
+
+
+# -- issue 18: who holds a device, and namespaces tenants create -----------------------------------
+
+
+async def test_the_agent_reports_who_holds_its_devices_and_the_operator_tells_the_namespace(api, people, nodes, devices):
+    """status.holders is the agent's to write (its node policy lets it, for its own node's devices
+    only); the operator copies it into the PCIDevice, which only the operator writes."""
+    name, team = devices.assigned, people.team_a
+    holders = [{"namespace": team, "pod": "virt-launcher-vm-1", "resource": f"passthrough.io/{name}"}]
+    async with logged_in(people.agent) as agent_api:
+        await merge(agent_api, "nodepcidevices", name, {"status": {"holders": holders}}, status=True)
+        message = await refusal(merge(agent_api, "nodepcidevices", devices.other_node, {"status": {"holders": holders}}, status=True))
+        assert f"may write only NodePCIDevices labelled passthrough.io/node={nodes.one.name}" in message
+    try:
+        assert (await Custom(api, "nodepcidevices").get(name))["status"]["holders"] == holders
+
+        async def told():
+            device = await Custom(api, "pcidevices", namespaced=True).get(name, team)
+            return device if (device.get("status") or {}).get("holders") == holders else None
+
+        await support.wait_for(told, 20, what=f"the PCIDevice {team}/{name} to name its holders")
+        # A tenant sees it; `kubectl get pci` lists them for the namespace's own reader.
+        got = people.viewer.kubectl("get", "pci", name, "-n", team, "-o", "jsonpath={.status.holders[*].pod}")
+        assert got.returncode == 0 and got.stdout == "virt-launcher-vm-1", (got.stdout, got.stderr)
+    finally:
+        async with logged_in(people.agent) as agent_api:
+            await merge(agent_api, "nodepcidevices", name, {"status": {"holders": None}}, status=True)
+
+
+async def test_with_confirm_new_namespaces_a_namespace_a_tenant_makes_after_the_assignment_waits_for_a_device_admin(
+    api, cluster, people, devices, release, tmp_path
+):
+    """Where tenants create namespaces (Capsule, Rancher projects), whoever first creates the namespace
+    an assignment names would get the device: with devices.confirmNewNamespaces, it gets nothing until a
+    device admin confirms that namespace by its uid, with the command the NodePCIDevice gives."""
+    # Node-2's GPU (no agent there moves it): node-1's agent, with no kubelet to ask, holds a device
+    # it may not give back as NotReady, and a device that is not Ready is not handed out either way.
+    name, team = devices.other_node, f"team-c-{release.suffix}"
+    configs, npci = Custom(api, "passthroughconfigs"), Custom(api, "nodepcidevices")
+    pcidevices = Custom(api, "pcidevices", namespaced=True)
+    await configs.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": "PassthroughConfig", "metadata": {"name": "cluster"},
+                         "spec": {"devices": {"confirmNewNamespaces": True}}}, "admin")  # fmt: skip
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "namespace-creator"},
+            "rules": [{"apiGroups": [""], "resources": ["namespaces"], "verbs": ["create", "get"]}]}  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(role))
+    creator = identities.identity(cluster, people.team_b, "namespace-creator", tmp_path)
+    binding = identities.bind(cluster, creator, "namespace-creator")
+
+    async def assigned(reason: str, says: str = "") -> dict | None:
+        got = next((c for c in ((await npci.get(name)) or {}).get("status", {}).get("conditions", []) if c["type"] == "Assigned"), {})
+        return got if got.get("reason") == reason and says in got.get("message", "") else None
+
+    try:
+        answer = people.device_admin.kubectl("patch", "npci", name, "--type=merge", "-p", assignment(team))
+        assert answer.returncode == 0, answer.stderr
+        await support.wait_for(lambda: assigned("Available", f"Namespace {team} does not exist"), 20,
+                               what="the assignment to a namespace nobody has")
+        got = await support.wait_for(lambda: assigned("Available", "devices.confirmNewNamespaces"), 20,
+                                     what="the note that a tenant's namespace will wait")
+        _wait(lambda: creator.can_i("create", "namespaces"), "RBAC to let the tenant create namespaces")
+        answer = creator.kubectl("create", "namespace", team)
+        assert answer.returncode == 0, answer.stderr
+        got = await support.wait_for(lambda: assigned("NamespaceNotConfirmed"), 20, what="NamespaceNotConfirmed")
+        uid = json.loads(cluster.kubectl("get", "namespace", team, "-o", "json").stdout)["metadata"]["uid"]
+        assert got["status"] == "False" and f"uid {uid}" in got["message"], got
+        # Nothing reached the namespace: no PCIDevice, no hand-out (which is what the node acts on).
+        await asyncio.sleep(2)
+        assert await pcidevices.get(name, team) is None
+        assert (await npci.get(name))["status"].get("assignedNamespaceRef") is None
+        # The tenant cannot confirm it itself.
+        confirm = json.dumps({"spec": {"confirmedNamespaceUID": uid}})
+        assert "(Forbidden)" in creator.kubectl("patch", "npci", name, "--type=merge", "-p", confirm).stderr
+        # The device admin runs the command the condition gives, as it is written there.
+        command = re.search(r"kubectl patch npci (\S+) --type=merge -p '([^']*)'", got["message"])
+        assert command is not None and command[1] == name and json.loads(command[2]) == json.loads(confirm), got["message"]
+        answer = people.device_admin.kubectl("patch", "npci", command[1], "--type=merge", "-p", command[2])
+        assert answer.returncode == 0, answer.stderr
+        await support.wait_for(lambda: assigned("Assigned"), 20, what="the hand-out once confirmed")
+        assert await pcidevices.get(name, team) is not None
+        assert (await npci.get(name))["status"]["assignedNamespaceRef"] == {"name": team, "uid": uid}
+    finally:
+        people.device_admin.kubectl("patch", "npci", name, "--type=merge", "-p",
+                                    json.dumps({"spec": {"assignedNamespace": "", "confirmedNamespaceUID": ""}}))  # fmt: skip
+        with contextlib.suppress(ApiException):
+            await configs.delete("cluster")
+        cluster.kubectl("delete", "namespace", team, "--wait=false", check=False)
+        cluster.kubectl("delete", "clusterrolebinding", binding, "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "clusterrole", "namespace-creator", "--ignore-not-found", check=False)
