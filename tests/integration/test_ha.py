@@ -49,7 +49,7 @@ class Replica:
         self.name, self.cluster, self.folder, self.serving, self.balancer, self.lease = name, cluster, folder, serving, balancer, lease
         self.generation = 0
         self.proc: OperatorProcess | None = None
-        self.port = 0
+        self.port = self.ready_port = 0
         self.terms: list[Term] = []  # every generation's, in order
         self.kubeconfig: Path | None = None
 
@@ -60,7 +60,8 @@ class Replica:
     def start(self, timeout: float = 60) -> None:
         """Start, wait until ready (webhooks listening, caches filled), put it behind the balancer."""
         self.generation += 1
-        self.port, ready_port = free_ports(2)
+        self.port, self.ready_port = free_ports(2)
+        ready_port = self.ready_port
         args = [
             f"--webhook-port={self.port}", "--webhook-addr=127.0.0.1", f"--webhook-cert-dir={self.serving.directory}",
             f"--readiness=http://127.0.0.1:{ready_port}/readyz", "--leader-elect", f"--leader-elect-identity={self.identity}",
@@ -79,6 +80,10 @@ class Replica:
             assert time.monotonic() < deadline, f"{self.identity} not ready after {timeout}s:\n{self.proc.output()[-3000:]}"
             time.sleep(0.1)
         self.balancer.add(self.port)
+
+    def ready(self) -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ready_port}/readyz", timeout=5) as answer:
+            return answer.status == 200
 
     def kill(self) -> float:
         """SIGKILL, as the OOM killer or a node loss does; the monotonic time it is certainly dead."""
@@ -311,6 +316,7 @@ def lease_spec(s: Setup) -> dict:
 async def test_killing_the_leader_refuses_nothing_and_the_other_replica_reconciles_within_15s(ha):
     leader = await holder(ha)
     standby = next(r for r in ha.replicas.values() if r is not leader)
+    assert leader.ready() and standby.ready()  # a standby answers the webhooks as well as the leader
     creator = Creator(ha.api, ha.namespace, ha.own, ha.foreign)
     creator.start()
     try:
