@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the host's /run, cleared at reboot as the binds are)",
     )
     p.add_argument(
+        "--binder-socket",
+        metavar="FILE",
+        help="write sysfs through `passthrough binder` listening there (a container of its own that may write /sys), "
+        "not through a child of this process",
+    )
+    p.add_argument(
         "--write-deadline",
         default="15s",
         metavar="DURATION",
@@ -213,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics_flags(p, "agent")
     _add_client_flags(p)
     p.set_defaults(func=_lazy("passthrough.agent.main", "run"))
+
+    p = sub.add_parser("binder", help="bind and give back devices for an agent that may not write sysfs itself")
+    p.add_argument("--listen", required=True, metavar="FILE", help="the unix socket the agent's --binder-socket names")
+    p.set_defaults(func=_lazy("passthrough.pci.binder", "run"))
 
     p = sub.add_parser("discover", help="print what the agent would report on this host (reads sysfs only)")
     _add_host_roots(p)

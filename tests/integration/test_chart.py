@@ -70,9 +70,10 @@ def one(objects: list[dict], kind: str) -> dict:
     return found
 
 
-def container(objects: list[dict], kind: str) -> dict:
-    [found] = one(objects, kind)["spec"]["template"]["spec"]["containers"]
-    return found
+def container(objects: list[dict], kind: str, name: str = "") -> dict:
+    """The pod's container `name`; without a name, its first (the operator, the agent)."""
+    containers = one(objects, kind)["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == name) if name else containers[0]
 
 
 def values_file(path: Path, values: dict) -> str:
@@ -127,13 +128,16 @@ def test_default_values_render_the_models_defaults_and_two_operator_replicas(hel
     agent = container(objects, "DaemonSet")
     assert agent["command"][:3] == ["passthrough", "agent", "--proc-root=/host/proc"]
     assert agent["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev", "--state-dir=/run/passthrough"} <= set(agent["command"])
+    assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev", "--state-dir=/run/passthrough",
+            "--binder-socket=/run/passthrough-binder/binder.sock"} <= set(agent["command"])  # fmt: skip
+    assert container(objects, "DaemonSet", "binder")["command"] == [
+        "passthrough", "binder", "--listen=/run/passthrough-binder/binder.sock"]  # fmt: skip
     assert "--no-pool-resources" not in agent["command"] and "--sriov-virtual-functions" not in agent["command"]
 
 
 def agent_mounts(daemonset: dict, agent: dict) -> dict:
     """Container path -> (host path, read-only: False, True, or "recursive")."""
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in daemonset["volumes"]}
+    host_paths = {v["name"]: v["hostPath"]["path"] if "hostPath" in v else "(emptyDir)" for v in daemonset["volumes"]}
 
     def read_only(m: dict) -> bool | str:
         return "recursive" if m.get("recursiveReadOnly") == "Enabled" and m.get("readOnly") else m.get("readOnly", False)
@@ -155,18 +159,28 @@ def test_the_agent_pod_has_only_the_privilege_binding_needs(helm):
     assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"] == {"drop": ["ALL"]} and security["seccompProfile"] == {"type": "RuntimeDefault"}
     assert "appArmorProfile" not in security and security["readOnlyRootFilesystem"] is True
-    # The host's /sys and /proc read-only down to every mount below them (cgroups, securityfs, ...);
-    # writable only /sys/bus/pci (unbind, drivers_probe) and /sys/devices (driver_override).
+    # The host's /sys and /proc read-only down to every mount below them (cgroups, securityfs, ...)
+    # for the agent, which serves gRPC and talks to the API server: it writes no sysfs file.
     assert agent_mounts(daemonset, agent) == {
         "/host/sys": ("/sys", "recursive"),
-        "/host/sys/bus/pci": ("/sys/bus/pci", False),
-        "/host/sys/devices": ("/sys/devices", False),
         "/host/proc": ("/proc", "recursive"),
         "/host/usr/share": ("/usr/share", True),
         "/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
         "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", False),
         "/host/dev/vfio": ("/dev/vfio", True),
         "/run/passthrough": ("/run/passthrough", False),
+        "/run/passthrough-binder": ("(emptyDir)", False),
+    }
+    # The binder container, which does the bind sequence alone: writable only /sys/bus/pci
+    # (unbind, drivers_probe) and /sys/devices (driver_override).
+    binder = container(objects, "DaemonSet", "binder")
+    assert binder["securityContext"] == security
+    assert agent_mounts(daemonset, binder) == {
+        "/run/passthrough-binder": ("(emptyDir)", False),
+        "/host/sys": ("/sys", "recursive"),
+        "/host/sys/bus/pci": ("/sys/bus/pci", False),
+        "/host/sys/devices": ("/sys/devices", False),
+        "/host/dev/vfio": ("/dev/vfio", True),
     }
 
 

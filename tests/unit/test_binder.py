@@ -120,3 +120,47 @@ async def test_what_a_bind_that_returned_late_moved_is_kept_for_the_agents_recor
         finally:
             host.release(AUDIO)
             await binder.close()
+
+
+@pytest.fixture
+def binder_container(tmp_path):
+    """`passthrough binder --listen` as its own process, as the chart runs it beside the agent."""
+    import subprocess
+    import sys
+
+    socket = tmp_path / "run" / "binder.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={socket}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not socket.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+        time.sleep(0.05)
+    yield socket
+    proc.terminate()
+    assert proc.wait(10) == 0  # at once, although one of its children may still be blocked in a write
+
+
+async def test_through_a_binder_container_a_blocked_write_holds_up_only_its_own_connection(tmp_path, binder_container):
+    host = gpu_node(tmp_path / "host")
+    fifo = block_unbind(host, "nvidia")
+    finished = asyncio.Event()
+    binder = Binder(deadline=1.5, on_finished=finished.set, socket=binder_container)
+    try:
+        with pytest.raises(BindError) as e:
+            await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+        assert e.value.reason == "WriteBlocked" and binder.overdue_addresses() == {GPU, AUDIO}
+        # A new connection, a new child of the binder: it answers while the first is blocked.
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        await asyncio.to_thread(let_go, fifo)
+        await asyncio.wait_for(finished.wait(), 10)
+        assert binder.overdue == {}
+    finally:
+        await binder.close()
+
+
+async def test_a_binder_container_that_is_not_there_is_said_with_what_to_look_at(tmp_path):
+    host = gpu_node(tmp_path / "host")
+    binder = Binder(socket=tmp_path / "nobody.sock")
+    with pytest.raises(BindError) as e:
+        await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+    assert e.value.reason == "BindFailed" and "kubectl logs <agent pod> -c binder" in str(e.value)

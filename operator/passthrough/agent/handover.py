@@ -72,13 +72,14 @@ class Handover:
         bind_timeout: float = 5.0,
         state_dir: Path | None = None,
         write_deadline: float = DEADLINE,
+        binder_socket: Path | None = None,
     ) -> None:
         self.sysfs_root, self.dev_root = Path(sysfs_root), Path(dev_root)
         self.pod_resources_socket = Path(pod_resources_socket)
         self.serve_pools = serve_pools
         self.bind_timeout = bind_timeout
         self.bound = Bound(state_dir)
-        self.binder = Binder(write_deadline, on_finished=self._wake)
+        self.binder = Binder(write_deadline, on_finished=self._wake, socket=binder_socket)
         self.health = Health(self.sysfs_root, self.dev_root)
         self.unhealthy: dict[str, str] = {}  # address -> why, as the plugins last reported it
         self.on_change = None  # called when a late write returns or a served device's health flips

@@ -38,6 +38,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
                 serve_pools=args.pool_resources,
                 state_dir=Path(args.state_dir),
                 write_deadline=deadline,
+                binder_socket=Path(args.binder_socket) if args.binder_socket else None,
             )
         agent = Agent(
             api,

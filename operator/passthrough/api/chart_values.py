@@ -168,6 +168,9 @@ class AgentValues(PodValues):
         "pod where the runtime cannot), where possible (IfPossible), or only the top mount (Disabled)."
     )
     devicePlugin: DevicePluginValues = Field(description="What the agent does besides reporting devices.")
+    binderResources: Resources | None = Field(
+        default=None, description="The binder container's requests and limits (it writes sysfs for the agent)."
+    )
 
 
 class ServiceMonitorValues(Values):

@@ -8,7 +8,11 @@ then reports, exits, and `on_finished` asks for a scan. A child blocked in a wri
 killed until the write returns, so nobody waits for it.
 
 The child is `python -m passthrough.pci.binder`: one JSON job per line on stdin, one JSON answer
-per line on stdout.
+per line on stdout. Or, where the agent itself may not write sysfs (the chart's least-privilege
+pod: its container sees the host's /sys read-only), `passthrough binder --listen SOCKET` runs in a
+container of its own that may, and forks a child per connection that speaks the same lines:
+the agent's `Binder(socket=...)` connects instead of starting a child, and sets a blocked
+connection aside just as it sets a blocked child aside.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import signal
+import socketserver
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from passthrough.pci.vfio import BindError
 
@@ -61,8 +67,10 @@ class Binder:
         start_timeout: float = START_TIMEOUT,
         on_finished: Callable[[], None] | None = None,
         command: tuple[str, ...] = (sys.executable, "-m", "passthrough.pci.binder"),
+        socket: Path | None = None,
     ) -> None:
         self.deadline = deadline
+        self.socket = socket
         self.start_timeout = start_timeout
         self.on_finished = on_finished
         self.command = command
@@ -70,8 +78,8 @@ class Binder:
         # What late bind jobs moved to vfio-pci (address -> its old driver_override), for the
         # agent's record: a write that returned after its deadline still moved devices.
         self.late_moved: dict[str, str] = {}
-        self._worker: asyncio.subprocess.Process | None = None
-        self._set_aside: list[asyncio.subprocess.Process] = []
+        self._worker: Any = None  # the child (asyncio.subprocess.Process) or connection (_Connection)
+        self._set_aside: list[Any] = []
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
 
@@ -142,9 +150,16 @@ class Binder:
     async def _ready_worker(self) -> asyncio.subprocess.Process:
         if self._worker is not None and self._worker.returncode is None:
             return self._worker
-        worker = await asyncio.create_subprocess_exec(
-            *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-        )
+        if self.socket is not None:
+            try:
+                worker: Any = _Connection(*await asyncio.open_unix_connection(str(self.socket)))
+            except OSError as exc:
+                raise BindError("BindFailed", f"the binder container does not answer on {self.socket} ({exc.strerror or exc}): "
+                                "is its container running? (kubectl logs <agent pod> -c binder)") from None  # fmt: skip
+        else:
+            worker = await asyncio.create_subprocess_exec(
+                *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
         try:
             async with asyncio.timeout(self.start_timeout):
                 hello = await self._answer(worker)
@@ -224,16 +239,77 @@ def _do(job: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-def main() -> None:
-    # A terminal's Ctrl-C reaches the whole process group: the agent stops this child itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    out = sys.stdout
+def _speak(lines: Iterable[str], out: IO[str]) -> None:
+    """The binder's side of the channel: a hello, then one answer per job, until the input ends."""
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
-    for line in sys.stdin:
+    for line in lines:
         if line.strip():
             out.write(json.dumps(_do(json.loads(line))) + "\n")
             out.flush()
+
+
+def main() -> None:
+    # A terminal's Ctrl-C reaches the whole process group: the agent stops this child itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _speak(sys.stdin, sys.stdout)
+
+
+class _Connection:
+    """A connection to a binder container, shaped like the child process it stands in for."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.stdout, self.stdin = reader, writer
+        self.returncode: int | None = None
+
+    def kill(self) -> None:
+        self.stdin.close()  # the binder's child for it ends once its write (if any) returns
+        self.returncode = -9
+
+    async def wait(self) -> int:
+        self.stdin.close()
+        self.returncode = 0 if self.returncode is None else self.returncode
+        return self.returncode
+
+
+class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
+    block_on_close = False  # a child blocked in the kernel must not hold up the container's stop
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        _speak((line.decode() for line in self.rfile), _Text(self.wfile))
+
+
+class _Text:
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+
+    def write(self, text: str) -> None:
+        self.raw.write(text.encode())
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def serve(path: Path) -> None:
+    """`passthrough binder --listen PATH`: a child per connection, so a job blocked in the kernel
+    holds up only its own connection; until SIGTERM."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with _Server(str(path), _Handler) as server:
+        os.chmod(path, 0o600)  # the agent runs as root too; nobody else on the node may ask
+        log.info("binder listening on %s", path)
+        server.serve_forever()
+
+
+def run(args: Any) -> int:
+    """`passthrough binder`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(Path(args.listen))
+    return 0
 
 
 if __name__ == "__main__":
