@@ -26,6 +26,7 @@ from kubernetes_asyncio import client
 
 from e2e import chart, fakesysfs, identities, support
 from e2e.chart import CHART, template
+from e2e.fakekernel import FakeKernel
 from e2e.processes import OperatorProcess, WebhookServing
 from passthrough.api import crds
 from passthrough.api.models import PassthroughConfigSpec
@@ -514,6 +515,11 @@ async def agent(api, cluster, release, node, tmp_path_factory):
     chart.wait_for_agent_policies(cluster, namespace, release["name"], node.name)
     root = tmp_path_factory.mktemp("agent")
     host = fakesysfs.gpu_node(root / "host")
+    kernel = FakeKernel(host).start()
+    # The DaemonSet's binder container: the bind sequence, through the socket the agent names.
+    binder_socket = root / "binder.sock"
+    binder = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={binder_socket}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
     env = dict(os.environ)
     for var in container(release["objects"], "DaemonSet")["env"]:
         assert var["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
@@ -524,6 +530,7 @@ async def agent(api, cluster, release, node, tmp_path_factory):
         f"--kubeconfig={kubeconfig}", f"--sysfs-root={host.sysfs}", f"--proc-root={host.proc}",
         f"--pci-ids={PCI_IDS}", "--no-hotplug", f"--dev-root={host.root / 'dev'}",
         f"--device-plugin-dir={root / 'device-plugins'}", f"--pod-resources-socket={root / 'pod-resources.sock'}",
+        f"--state-dir={root / 'state'}", f"--binder-socket={binder_socket}",
         "--metrics-port=0",  # the chart's fixed port may be taken on a shared machine (test_metrics scrapes a free one)
     )  # fmt: skip
     denied_before = await denied_requests(api)
@@ -545,6 +552,9 @@ async def agent(api, cluster, release, node, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        binder.terminate()
+        binder.wait(15)
+        kernel.stop()
 
 
 def _tail(path: Path) -> str:
