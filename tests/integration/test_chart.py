@@ -683,3 +683,20 @@ def _vm(namespace: str, device: str) -> dict:
             }}},
         },
     }  # fmt: skip
+
+
+def test_dra_mode_gives_the_agent_the_kubelets_plugin_directories_cdi_and_its_slices_and_claims(helm, tmp_path):
+    assert not [o for o in template(helm, "p", "ns") if o["metadata"]["name"].endswith("-agent-dra")]  # opt-in
+    objects = template(helm, "p", "ns", values_file(tmp_path / "v.yaml", {"agent": {"devicePlugin": {"dra": True}}}))
+    daemonset = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    agent = container(objects, "DaemonSet")
+    assert {"--dra", "--kubelet-dir=/var/lib/kubelet", "--cdi-dir=/var/run/cdi"} <= set(agent["command"])
+    mounts = agent_mounts(daemonset, agent)
+    assert {path: mounts[path] for path in ("/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi")} == {
+        "/var/lib/kubelet/plugins_registry": ("/var/lib/kubelet/plugins_registry", False),
+        "/var/lib/kubelet/plugins": ("/var/lib/kubelet/plugins", False),
+        "/var/run/cdi": ("/var/run/cdi", False),
+    }
+    [role] = [o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("-agent-dra")]
+    assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]} == {
+        (("resourceslices",), ("get", "list", "watch", "create", "patch")), (("resourceclaims",), ("get",))}

@@ -138,6 +138,11 @@ class DevicePluginValues(Values):
     poolResources: bool = Field(
         description="Serve GPU pools (nvidia.com/...); false where NVIDIA's sandbox device plugin serves them."
     )
+    dra: bool = Field(
+        default=False,
+        description="Dynamic Resource Allocation instead of device plugins (beta): publish ResourceSlices and serve "
+        "the kubelet's DRA plugin API as driver pci.passthrough.io; claims name the devices.",
+    )
 
 
 class AppArmorProfile(Values):
