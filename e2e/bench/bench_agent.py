@@ -17,8 +17,9 @@ A fleet of agents (1,000 nodes) is `bench_fleet.py`. What each figure means:
   socket pair; each trial adds a GPU and its audio function to the tree and writes their
   `add` uevents, in the kernel's framing, to the other end (never the host's netlink socket
   or /sys); the time until a watch sees the GPU's NodePCIDevice with its status. The listener
-  waits for 0.5 s without events before it wakes a scan (a card's functions and their driver
-  binds arrive as a burst), so that much of each figure is by design.
+  waits for 50 ms without another pci event (150 ms at most from the first) before it wakes a
+  scan (a card's functions and their driver binds arrive as a burst), so that much of each
+  figure is by design.
 
 Nothing is asserted.
 """

@@ -48,9 +48,21 @@ def open_socket() -> socket.socket:
     return sock
 
 
-async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = 0.5, sock: socket.socket | None = None) -> None:
+# A card's functions arrive together and their driver binds follow within milliseconds:
+# QUIET seconds without another pci event end a burst, and a burst never holds a scan back
+# more than CAP seconds from its first event. Only pci events count: on a busy node the socket
+# never falls silent (pod churn brings veth, cgroup and block events), and a window that
+# waited for silence on the whole socket held a hot-added GPU back until the periodic rescan.
+QUIET = 0.05
+CAP = 0.15
+
+
+async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = QUIET, sock: socket.socket | None = None,
+                 cap: float = CAP) -> None:  # fmt: skip
     """Call `on_event` once per burst of pci events (a GPU and its audio function arrive together).
 
+    A burst ends after `debounce` seconds without another pci event, or `cap` seconds after its
+    first, whichever comes first; events of other subsystems neither start nor extend one.
     `sock`: where the kernel's datagrams come from (the netlink socket when None; a test
     hands in one end of a socket pair). Events lost to a full receive buffer (ENOBUFS, in a
     uevent storm) are a reason to rescan, not to stop listening.
@@ -64,6 +76,14 @@ async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = 0
     sock.setblocking(False)
     loop = asyncio.get_running_loop()
     overflowed = False
+
+    def lost() -> None:
+        nonlocal overflowed
+        if not overflowed:
+            log.warning("kernel hotplug events were lost (receive buffer full); rescanning instead")
+            overflowed = True
+        on_event({"ACTION": "overflow"})
+
     try:
         while True:
             try:
@@ -71,20 +91,25 @@ async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = 0
             except OSError as exc:
                 if exc.errno != errno.ENOBUFS:
                     raise
-                if not overflowed:
-                    log.warning("kernel hotplug events were lost (receive buffer full); rescanning instead")
-                    overflowed = True
-                on_event({"ACTION": "overflow"})
+                lost()
                 continue
             fields = parse(data)
             if not is_pci_hotplug(fields):
                 continue
-            # Collect the rest of the burst before reacting.
-            while True:
+            # Collect the rest of the burst (pci events only) before reacting, within the cap.
+            first = loop.time()
+            quiet_until, give_up = first + debounce, first + cap
+            while (wait := min(quiet_until, give_up) - loop.time()) > 0:
                 try:
-                    data = await asyncio.wait_for(loop.sock_recv(sock, 65536), debounce)
+                    data = await asyncio.wait_for(loop.sock_recv(sock, 65536), wait)
                 except TimeoutError:
                     break
+                except OSError as exc:
+                    if exc.errno != errno.ENOBUFS:
+                        raise
+                    break  # some of the burst was lost: the scan below looks at everything anyway
+                if is_pci_hotplug(parse(data)):
+                    quiet_until = loop.time() + debounce
             log.info("pci hotplug event: %s %s", fields.get("ACTION"), fields.get("PCI_SLOT_NAME", fields.get("DEVPATH", "")))
             on_event(fields)
     finally:
