@@ -545,3 +545,21 @@ def test_cozystack_package_carries_our_gates_and_the_allow_list():
 def test_cozystack_package_leaves_an_empty_allow_list_out():
     package = cozystack_package(rendered(values(replace=True)))
     assert "permittedHostDevices" not in package["spec"]["components"]["kubevirt"]["values"]
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        ({"kubevirt": {"gpu": {"replaceDefaults": True}}},
+         "kubevirt.gpu: unknown setting here: gpu is a setting of the top level (check the indentation)"),
+        ({"gpu": {"permittedHostDevices": {"replaceDefaults": True}}},
+         "gpu.permittedHostDevices.replaceDefaults: unknown setting here: replaceDefaults is a setting of gpu (check the indentation)"),
+        ({"extraFeatureGates": ["Snapshot"]},
+         "extraFeatureGates: unknown setting here: extraFeatureGates is a setting of kubevirt (check the indentation)"),
+    ],
+)
+def test_a_setting_nested_at_the_wrong_level_is_refused_with_its_path(data, problem):
+    # It used to be dropped without a word: the default table stayed, the gate was not applied.
+    with pytest.raises(ValuesError) as raised:
+        parse_values(data)
+    assert raised.value.problems == [problem]

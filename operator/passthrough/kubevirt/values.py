@@ -172,17 +172,33 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _setting_paths(model: type[BaseModel], path: str = "") -> Iterator[tuple[str, str]]:
+    """(name, path) of every setting under `model`, nested ones included."""
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        where = f"{path}.{key}" if path else key
+        yield key, where
+        sub = _model_in(info.annotation)
+        if sub is not None:
+            yield from _setting_paths(sub, f"{where}[]" if typing.get_origin(info.annotation) is list else where)
+
+
 def _typos(model: type[BaseModel], data: Mapping, path: str) -> Iterator[tuple[str, str]]:
-    """Unknown keys that look like a misspelt setting: a typo in `replaceDefaults` would silently keep
-    the table. Other unknown keys pass, so a Helm values file with more in it can be used as is."""
+    """Unknown keys that look like a mistake: a misspelt setting (a typo in `replaceDefaults`
+    would silently keep the table), or a setting nested at the wrong level (`kubevirt.gpu`,
+    `gpu.permittedHostDevices.replaceDefaults`), refused with where it belongs. Other unknown
+    keys pass, so a Helm values file with more in it can be used as is."""
     fields = {info.alias or name: info for name, info in model.model_fields.items()}
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
         info = fields.get(key)
         if info is None:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.8)
+            elsewhere = [p.rpartition(".")[0] or "the top level" for name, p in _setting_paths(PassthroughConfigSpec) if name == key]
             if close:
                 yield where, f"unknown setting; did you mean {close[0]}?"
+            elif elsewhere:
+                yield where, f"unknown setting here: {key} is a setting of {' and '.join(elsewhere)} (check the indentation)"
             continue
         sub = _model_in(info.annotation)
         if sub is None:
