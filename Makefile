@@ -86,4 +86,4 @@ image: venv
 	$(PY) -m e2e.image
 
 clean: cluster-down
-	rm -rf $(VENV) .cluster
+	rm -rf $(VENV) .cluster .devcluster

@@ -24,7 +24,14 @@ CASES = [
 ]
 
 
+def _refuse_update_under_ci(update: bool, ci: str | None) -> None:
+    # Under CI a regenerate would make every golden test pass whatever the output.
+    if update and (ci or "").lower() in ("true", "1", "yes"):
+        pytest.fail("UPDATE_GOLDEN=1 is refused under CI: regenerate the golden files locally and commit them")
+
+
 def _check(path: Path, actual: str) -> None:
+    _refuse_update_under_ci(UPDATE, os.environ.get("CI"))
     if UPDATE:
         if actual:
             path.write_text(actual)
@@ -73,3 +80,10 @@ def test_golden_cases_show_what_they_are_named_for():
     vgpu = permitted("vgpu")
     assert [d["resourceName"] for d in vgpu["pciHostDevices"]] == ["nvidia.com/L40S-24Q"]
     assert len(vgpu["mediatedDevices"]) == 2
+
+
+def test_update_golden_is_refused_under_ci():
+    with pytest.raises(pytest.fail.Exception, match="refused under CI"):
+        _refuse_update_under_ci(True, "true")
+    _refuse_update_under_ci(True, None)  # locally: allowed
+    _refuse_update_under_ci(False, "true")  # under CI without it: the comparison runs
