@@ -110,6 +110,8 @@ async def bench(local, root: Path, trials: int) -> None:
                 to_pool.append(await back - started)
                 await deleting
                 await support.delete_pod(api, namespace, pod)
+                # The next round starts from what the scheduler sees, not from a node status of this one.
+                await support.wait_resources(core, node.node_name, {resource: "0", POOL: "2"}, agent, timeout=60)
             print(f"unassigned, pod deleted, to back in the pool (plugin's ListAndWatch): {spread(to_pool)}")
             print(f"                         to status.holders empty:                   {spread(to_status)}")
             now, peak = rss(agent)

@@ -157,6 +157,46 @@ async def test_a_pool_gpu_assigned_while_a_pool_pod_holds_it_waits_for_that_pod(
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
 
 
+async def holders_of(api, name: str, namespace: str | None = None) -> list[dict]:
+    """status.holders of the NodePCIDevice, or of the namespace's PCIDevice."""
+    obj = await (Custom(api, "pcidevices", namespaced=True).get(name, namespace) if namespace
+                 else Custom(api, "nodepcidevices").get(name))  # fmt: skip
+    return ((obj or {}).get("status") or {}).get("holders") or []
+
+
+async def wait_holders(api, name: str, wanted: list[dict], agent, namespace: str | None = None, timeout: float = 30) -> None:
+    async def shown():
+        return await holders_of(api, name, namespace) == wanted
+
+    where = f"PCIDevice {namespace}/{name}" if namespace else f"NodePCIDevice {name}"
+    await support.wait_for(shown, timeout, 0.1, what=f"{where} holders {wanted}; log:\n{agent.output()[-3000:]}")
+
+
+async def test_the_node_pci_device_and_the_new_namespaces_pci_device_say_which_pod_holds_it(api, core, kubelet, agent, names,
+                                                                                             tenants):  # fmt: skip
+    team_a, team_b = await tenants("iso-j"), await tenants("iso-k")
+    held = await run_pod(api, core, kubelet, team_b, "pool-user5", POOL)
+    name = names[held]
+    resource = exclusive_resource_name(name)
+    by_pool_pod = [{"namespace": team_b, "pod": "pool-user5", "resource": POOL}]
+    await wait_holders(api, name, by_pool_pod, agent)  # a pool GPU's holder is said too
+    await handed_out(api, name, team_a)
+    # team-a's PCIDevice names the pod of team-b that holds it, and says it waits for it.
+    await wait_holders(api, name, by_pool_pod, agent, namespace=team_a)
+    await wait_ready(api, kubelet.node_name, held, "HeldByPod", agent, says=f"pod {team_b}/pool-user5")
+    await support.delete_pod(api, team_b, "pool-user5")
+    await wait_holders(api, name, [], agent, namespace=team_a)
+    await wait_holders(api, name, [], agent)
+    # team-a's own pod, under the exclusive resource.
+    assert await run_pod(api, core, kubelet, team_a, "vm-a5", resource) == held
+    mine = [{"namespace": team_a, "pod": "vm-a5", "resource": resource}]
+    await wait_holders(api, name, mine, agent)
+    await wait_holders(api, name, mine, agent, namespace=team_a)
+    await support.delete_pod(api, team_a, "vm-a5")
+    await support.assign(api, name, "")
+    await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
+
+
 async def test_a_pending_pod_of_the_namespace_a_device_left_never_gets_it(api, core, kubelet, agent, names, tenants):
     team_a, team_b = await tenants("iso-e"), await tenants("iso-f")
     name = names[SECOND]

@@ -46,6 +46,9 @@ CONNECTIONS = 8
 WRITES_AT_ONCE = 4
 SCAN_TIMEOUT = 60.0  # seconds one scan may take, its API requests included
 HELD_RECHECK = 5.0  # seconds between asking the kubelet whether a device to give back is still held
+# A pod's end, seen on the watch of the node's pods, is a scan then and these seconds after (the
+# kubelet drops a pod from PodResources a moment after the API server does).
+POD_END_RESCANS = (0.3, 1.0, 2.5)
 # A DaemonSet's agents start together (a cluster's restart, an upgrade's rollout): each waits
 # up to this long, at random, before its first request, so the API server meets them spread out
 # (`passthrough agent --start-jitter`; an Agent made in a test starts at once).
@@ -134,6 +137,7 @@ class Agent:
         ]
         if self.handover is not None:
             background.append(asyncio.create_task(self.handover.run(), name=f"plugins-{self.node_name}"))
+            background.append(asyncio.create_task(self._watch_pods(), name=f"pods-{self.node_name}"))
         try:
             await self.mirror.synced.wait()
             while True:
@@ -188,28 +192,70 @@ class Agent:
         """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets),
         or its resource names change (another device plugin registered or went: one server per
         device, so the agent looks at what the kubelet now serves)."""
-        backoff = 1.0
         served: frozenset[str] | None = None
+
+        def seen(kind: str, node: dict[str, Any]) -> None:
+            nonlocal served
+            labels = (node.get("metadata") or {}).get("labels") or {}
+            names = frozenset((node.get("status") or {}).get("capacity") or {})
+            if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
+                self._node_labels = labels
+                self.trigger()
+            elif self.handover is not None and served is not None and names != served:
+                self.trigger()
+            served = names
+
+        await self._keep_watching(f"Node {self.node_name}", "/api/v1/nodes", f"metadata.name={self.node_name}", seen)
+
+    async def _watch_pods(self) -> None:
+        """Wake a scan when a pod of this node that asks for one of our resources starts running,
+        ends or goes. The kubelet tells a device plugin nothing when a pod ends, and a device its
+        pod held waits for that (to be given back, pooled, or served to its new namespace), as
+        status.holders does to say who holds it; without this, the held recheck finds it."""
+        states: dict[str, str] = {}  # pod uid -> its state last looked at
+        loop = asyncio.get_running_loop()
+
+        def seen(kind: str, pod: dict[str, Any]) -> None:
+            uid = (pod.get("metadata") or {}).get("uid", "")
+            state = "Gone" if kind == "DELETED" else (pod.get("status") or {}).get("phase", "")
+            before = states.pop(uid, None) if kind == "DELETED" else states.get(uid)
+            if kind != "DELETED":
+                states[uid] = state
+            if state == before or state not in ("Running", "Succeeded", "Failed", "Gone") or not self._asks_ours(pod):
+                return
+            self.trigger()
+            for delay in POD_END_RESCANS if state != "Running" else ():
+                loop.call_later(delay, self.trigger)
+
+        await self._keep_watching(f"the pods of {self.node_name}", "/api/v1/pods", f"spec.nodeName={self.node_name}", seen)
+
+    async def _keep_watching(self, what: str, path: str, selector: str, seen) -> None:
+        """Calls `seen(type, object)` for each event of a watch of `path`, watching again (with
+        backoff) when a watch ends."""
+        backoff = 1.0
         while True:
             try:
-                async for kind, node in watch_events(self.session, "/api/v1/nodes", fieldSelector=f"metadata.name={self.node_name}"):
-                    if kind == "BOOKMARK":
-                        continue
-                    labels = (node.get("metadata") or {}).get("labels") or {}
-                    names = frozenset((node.get("status") or {}).get("capacity") or {})
-                    if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
-                        self._node_labels = labels
-                        self.trigger()
-                    elif self.handover is not None and served is not None and names != served:
-                        self.trigger()
-                    served = names
+                async for kind, obj in watch_events(self.session, path, fieldSelector=selector):
+                    if kind != "BOOKMARK":
+                        seen(kind, obj)
                 backoff = 1.0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a dropped connection: the next watch starts over
-                log.debug("watch of Node %s ended (%s); again in %.0fs", self.node_name, exc, backoff)
+                log.debug("watch of %s ended (%s); again in %.0fs", what, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30)
+
+    def _asks_ours(self, pod: dict[str, Any]) -> bool:
+        """Whether the pod asks for a resource we serve or served (any exclusive one), or holds a device of ours."""
+        assert self.handover is not None
+        spec, meta = pod.get("spec") or {}, pod.get("metadata") or {}
+        asked = {name for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+                 for kind in ("limits", "requests") for name in ((c.get("resources") or {}).get(kind) or {})}  # fmt: skip
+        if any(name.startswith(f"{EXCLUSIVE_DOMAIN}/") for name in asked) or asked & set(self.handover.plugins.resources):
+            return True
+        pod_id = (meta.get("namespace"), meta.get("name"))
+        return any((h.namespace, h.pod) == pod_id for held in (self._holders or {}).values() for h in held)
 
     def _relevant_change(self) -> bool:
         """Our own status writes come back through the watch too; only assignments, hand-outs and
