@@ -311,10 +311,25 @@ def test_transition_time_is_kept_while_the_status_holds():
 
 
 def test_two_racing_assignments_end_in_the_namespace_written_last():
-    first = converge(world(node_device("team-a")))
-    second = converge(lc.World(NAME, dataclasses.replace(first.node_device, assigned_namespace="team-b"),
-                               first.devices, first.namespaces, {}, NOW))
-    assert [d.namespace for d in second.devices] == ["team-b"]
+    # team-b is written while the hand-out to team-a is half done: team-a's PCIDevice made, its
+    # status and the NodePCIDevice's not written yet (the worker's first write landed, then the
+    # spec changed under it). The next decisions undo team-a's and hand the device to team-b.
+    start = world(node_device("team-a"))
+    [made] = of(lc.decide(start), lc.ApplyDevice)
+    assert made.namespace == "team-a"
+    half_done = dataclasses.replace(settle_only(start, made), node_device=node_device("team-b"))
+    final = converge(half_done)
+    assert [d.namespace for d in final.devices] == ["team-b"]
+    assert (final.node_device.assigned.status, final.node_device.assigned.reason) == ("True", "Assigned")
+    assert "team-b" in final.node_device.assigned.message
+
+
+def settle_only(w: lc.World, write: lc.ApplyDevice) -> lc.World:
+    """The world after only `write` of a plan landed."""
+    meta = write.body["metadata"]
+    made = lc.Device(NAME, write.namespace, f"uid-{write.namespace}", "12", False,
+                     {k: meta.get(k) for k in ("labels", "ownerReferences", "finalizers")}, {})  # fmt: skip
+    return dataclasses.replace(w, devices=(*w.devices, made))
 
 
 def test_a_device_that_is_not_ready_is_not_handed_out_and_the_condition_says_why():
@@ -731,3 +746,27 @@ def test_the_pcidevice_says_which_pods_hold_the_device():
     assert lc.decide(quiet).writes == []
     assert lc.NodeDevice.of({"metadata": {"name": NAME}, "status": {"holders": [
         {"namespace": "team-b", "pod": "p", "resource": "r"}, "junk"]}}).holders == (("team-b", "p", "r"),)
+
+
+def test_finalizer_writes_apply_only_the_operators_own_metadata():
+    # Another manager's label, owner reference and finalizer on the PCIDevice stay theirs: an
+    # apply that restated them would make the operator co-owner, keeping them after they let go.
+    theirs = lc.Device(
+        name=NAME, namespace="team-a", uid="uid-team-a", resource_version="11", deleting=True,
+        metadata={"labels": {"passthrough.io/node": "gpu-1", "backup.example.com/policy": "daily"},
+                  "ownerReferences": [{"uid": "npci-uid", "controller": True, "kind": "NodePCIDevice"},
+                                      {"uid": "app-uid", "kind": "ConfigMap"}],
+                  "finalizers": [lc.FINALIZER, "backup.example.com/hold"]},
+        status={},
+    )  # fmt: skip
+    [released] = lc.decide(world(None, [theirs])).writes
+    assert released.body["metadata"]["labels"] == {"passthrough.io/node": "gpu-1"}
+    assert released.body["metadata"]["ownerReferences"] == [{"uid": "npci-uid", "controller": True, "kind": "NodePCIDevice"}]
+    assert released.body["metadata"]["finalizers"] == []
+    # Reassigned while a VM of team-a lists it: the finalizer goes on with our fields only.
+    held = dataclasses.replace(theirs, deleting=False, metadata={**theirs.metadata, "finalizers": ["backup.example.com/hold"]})
+    plan = lc.decide(world(node_device("team-b"), [held], vms={"team-a": ("vm-1",)}))
+    [guard] = [w for w in of(plan, lc.ApplyDevice) if w.namespace == "team-a"]
+    assert guard.body["metadata"]["labels"] == {"passthrough.io/node": "gpu-1"}
+    assert [o["uid"] for o in guard.body["metadata"]["ownerReferences"]] == ["npci-uid"]
+    assert guard.body["metadata"]["finalizers"] == [lc.FINALIZER]

@@ -275,6 +275,18 @@ def device_metadata(node_device: NodeDevice, namespace: str, finalizer: bool) ->
     }
 
 
+def own_metadata(device: Device, finalizers: list[str]) -> dict[str, Any]:
+    """The part of a live PCIDevice's metadata that is the operator's (what `device_metadata`
+    applied: the node label and the controller owner reference), with `finalizers`. An apply of
+    the whole live metadata would make the operator co-owner of other managers' labels and
+    owner references, and they would stay when those managers let go."""
+    labels = device.metadata.get("labels") or {}
+    owners = [o for o in device.metadata.get("ownerReferences") or []
+              if o.get("controller") and o.get("kind", NODE_PCI_DEVICE.kind) == NODE_PCI_DEVICE.kind]  # fmt: skip
+    return {"labels": {NODE_LABEL: labels[NODE_LABEL]} if NODE_LABEL in labels else {}, "ownerReferences": owners[:1],
+            "finalizers": finalizers}
+
+
 def _metadata_differs(live: Device, wanted: dict[str, Any]) -> bool:
     labels = live.metadata.get("labels", {})
     if any(labels.get(k) != v for k, v in wanted["labels"].items()):
@@ -490,7 +502,7 @@ def _departures(world: World, verdict: Verdict, holders: Holders) -> list[Any]:
         if device.namespace == verdict.target and verdict.phase == "Terminating":
             continue  # the namespace controller removes it with everything else there
         if holders.referenced[device.namespace] and FINALIZER not in device.metadata["finalizers"]:
-            wanted = {**device.metadata, "finalizers": [FINALIZER]}
+            wanted = own_metadata(device, [FINALIZER])
             writes.append(ApplyDevice(device.namespace, device_body(device.name, device.namespace, wanted, device.uid)))
             writes.append(DeleteDevice(device.namespace, device.uid))  # the finalizer write moved its version
         else:
@@ -520,7 +532,7 @@ def _released_finalizers(world: World, holders: Holders) -> list[Any]:
     """A PCIDevice being deleted keeps its finalizer while a VM references it, and loses it once
     none does. It cannot gain one: the API server refuses new finalizers on a deleting object."""
     return [
-        ApplyDevice(device.namespace, device_body(device.name, device.namespace, {**device.metadata, "finalizers": []}, device.uid))
+        ApplyDevice(device.namespace, device_body(device.name, device.namespace, own_metadata(device, []), device.uid))
         for device in world.devices
         if device.deleting and not holders.referenced[device.namespace] and FINALIZER in device.metadata["finalizers"]
     ]
