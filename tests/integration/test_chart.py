@@ -438,7 +438,8 @@ def test_the_service_accounts_may_do_nothing_more(cluster, release):
         *[(verb, "nodes") for verb in ("create", "update", "delete")],
         ("create", "events"),
         ("list", "secrets"),
-        *[(verb, "pods") for verb in ("get", "watch", "create", "patch", "delete")],  # list only: who asks at Allocate
+        # list (who asks at Allocate) and watch (a pod's end frees its device) only
+        *[(verb, "pods") for verb in ("get", "create", "patch", "delete")],
     ]
     operator = [
         *[(verb, "nodes") for verb in ("get", "patch", "delete")],
