@@ -193,3 +193,17 @@ def test_a_device_another_plugin_serves_is_not_ours_to_bind_give_back_or_serve(g
     gpu = names["0000:3b:00.0"]
     served = plan.resources(bound, {gpu: "team-a"}, names, True, claimed={gpu}, others=others)
     assert f"passthrough.io/{gpu}" not in served and [s.address for s in served[A10]] == ["0000:af:00.0"]
+
+
+def test_a_pool_gpu_assigned_but_not_handed_out_yet_stays_where_it_is(gpu_node):
+    # The operator hands a device out only while it is Ready; giving it back meanwhile (or
+    # reporting it held) would keep it from ever being Ready: it waits on vfio-pci, unserved.
+    devices, names = gpu_node
+    bound = on_vfio(devices, *(d.address for d in devices if d.iommu_group in (20, 21)))
+    ours = {d.address for d in bound if d.iommu_group in (20, 21)}
+    gpu = names["0000:af:00.0"]
+    waiting = plan.plan(bound, {}, names, in_gpu_mode=True, ours=ours, claimed={gpu})
+    assert waiting.release == {} and 21 not in waiting.bind
+    assert "0000:af:00.0" not in [s.address for s in plan.resources(bound, {}, names, True, claimed={gpu})[A10]]
+    # Out of GPU mode and not on vfio-pci: not bound for it either, until the hand-out.
+    assert plan.plan(devices, {}, names, in_gpu_mode=False, claimed={gpu}).bind == {}

@@ -20,7 +20,8 @@ the plan out. The rules:
   names (the caller passes only those). A device waiting for its hand-out is neither bound
   nor served.
 - The IOMMU group is the unit: while any member is claimed (`claimed`: a spec assignment,
-  handed out or not), no member is pooled.
+  handed out or not), no member is pooled. A group with a member assigned but not handed out
+  yet is left as it is: neither bound for it nor given back.
 - Pods are holders: a device that a pod holds under another resource, or under its own
   exclusive resource for another namespace, is served by nobody until that pod ends
   (`Serving.blocked`), so the kubelet never hands it to a second pod or a second tenant.
@@ -100,8 +101,14 @@ def plan(
     )  # fmt: skip
     bind: dict[int, tuple[str, ...]] = {}
     release: dict[int, tuple[str, ...]] = {}
+    waiting = {d.iommu_group for d in devices
+               if names.get(d.address, "") in claimed and not assignments.get(names.get(d.address, ""), "")}  # fmt: skip
     for group, members in sorted(_members(devices).items()):
         if any(m.address in locked or m.address in others for m in members):
+            continue
+        if group in waiting and not any(m.address in want for m in members):
+            # Assigned, not handed out yet: left as it is, bound or not, until the operator
+            # decides (a give-back now would make it not Ready, and the hand-out waits for Ready).
             continue
         if any(m.address in want for m in members):
             bind[group] = tuple(sorted(m.address for m in members))
