@@ -341,3 +341,30 @@ async def test_a_node_with_an_older_pci_ids_is_reported_before_a_vm_fails(api, k
     finally:
         for node in (new, old):
             await support.remove_node(api, node.name)
+
+
+async def test_the_cr_records_our_gates_and_the_old_cr_is_let_go_of_when_the_values_name_another(api, kinds, config, kubevirt_ns):
+    from passthrough.controller.kubevirt_sync import KubeVirtView
+
+    configs, kubevirts = kinds
+    other_ns = await support.create_namespace(api, f"{kubevirt_ns}-b")
+    try:
+        await support.create_kubevirt(api, kubevirt_ns, gates=("Snapshot",))
+        await support.create_kubevirt(api, other_ns, gates=("Snapshot",))
+        spec = {"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns, "extraFeatureGates": ["VMExport"]}}
+        await config(spec)
+        old = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: pci_list(o), "applied to the first CR")
+        # Which gates are ours is on the CR itself, written with them, and its managedFields say the record is ours.
+        assert old["metadata"]["annotations"]["passthrough.io/feature-gates"] == "HostDevices,VMExport"
+        view = KubeVirtView.of(old)
+        assert view.our_gates == ("HostDevices", "VMExport")
+        assert view.owned == {"pciHostDevices", "featureGates", "passthrough.io/feature-gates"}
+        await config({"kubevirt": {**spec["kubevirt"], "namespace": other_ns}})
+        await wait_kubevirt(kubevirts, other_ns, lambda o: pci_list(o), "applied to the second CR")
+        left = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: "permittedHostDevices" not in configuration(o),
+                                   "the first CR let go of")  # fmt: skip
+        assert configuration(left)["developerConfiguration"]["featureGates"] == ["Snapshot"]  # its own gate stays, ours go
+        assert "passthrough.io/feature-gates" not in (left["metadata"].get("annotations") or {})
+        assert configuration(left)["network"] == {"defaultNetworkInterface": "bridge"}  # the rest untouched
+    finally:
+        await client.CoreV1Api(api).delete_namespace(other_ns)

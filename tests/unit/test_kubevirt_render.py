@@ -487,7 +487,9 @@ def test_empty_values_are_the_defaults():
 def test_patch_holds_only_the_fields_this_operator_owns():
     result = rendered(values(namespace="cozy-kubevirt", name="kv"))
     assert result.patch["apiVersion"] == "kubevirt.io/v1" and result.patch["kind"] == "KubeVirt"
-    assert result.patch["metadata"] == {"name": "kv", "namespace": "cozy-kubevirt"}
+    # The gates we apply are recorded in the same apply (their list is atomic, so its managedFields cannot say which).
+    assert result.patch["metadata"] == {"name": "kv", "namespace": "cozy-kubevirt",
+                                        "annotations": {"passthrough.io/feature-gates": "HostDevices"}}
     assert list(result.patch["spec"]) == ["configuration"]
     assert set(result.patch["spec"]["configuration"]) == {"permittedHostDevices", "developerConfiguration"}
     assert list(result.patch["spec"]["configuration"]["developerConfiguration"]) == ["featureGates"]

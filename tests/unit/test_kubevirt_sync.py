@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
-from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, advertised, assigned_devices, needs_apply, plan_sync
+from passthrough.controller.kubevirt_sync import (ConfigView, KubeVirtView, advertised, assigned_devices, needs_apply, plan_sync,
+                                                  release)
 from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.kubevirt.allowlist import AssignedDevice
 from passthrough.kubevirt.mismatches import Advertised
+from passthrough.kubevirt.render import GATES_ANNOTATION
 
 NOW = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
 
@@ -16,11 +19,19 @@ def config(spec=None, status=None, generation=1) -> ConfigView:
     return ConfigView("cluster", "uid", generation, spec or {}, status or {})
 
 
-def kubevirt_after(plan, owned=frozenset({"pciHostDevices", "featureGates"})) -> KubeVirtView:
-    """The CR once the plan's apply landed."""
-    body = {"metadata": {"name": "kubevirt", "namespace": "kubevirt", "managedFields": []}, **plan.apply}
-    view = KubeVirtView.of(body)
-    return KubeVirtView(view.namespace, view.name, view.uid, view.pci_host_devices, view.mediated_devices, view.feature_gates, owned)
+def fields_v1(body) -> dict:
+    """What an apply of `body` makes the manager own, as the API server writes it in
+    managedFields (maps field by field, KubeVirt's lists atomic: the list as a whole)."""
+    if not isinstance(body, dict):
+        return {}
+    return {f"f:{k}": fields_v1(v) for k, v in body.items() if k not in ("apiVersion", "kind", "name", "namespace")}
+
+
+def kubevirt_after(plan, owned=None) -> KubeVirtView:
+    """The CR once the plan's apply landed (the apply's fields owned by our manager, or only `owned`)."""
+    managed = [{"manager": "passthrough-operator", "operation": "Apply", "fieldsType": "FieldsV1", "fieldsV1": fields_v1(plan.apply)}]
+    view = KubeVirtView.of({**plan.apply, "metadata": {**plan.apply["metadata"], "managedFields": managed}})
+    return view if owned is None else dataclasses.replace(view, owned=frozenset(owned))
 
 
 def status_after(plan) -> dict:
@@ -54,7 +65,7 @@ def test_an_emptied_allow_list_lets_go_of_what_we_owned():
     emptied = plan_sync(config({"gpu": {"replaceDefaults": True}}, status_after(first)), owned, [], [], first.rendered, NOW)
     assert emptied.apply is not None and "permittedHostDevices" not in emptied.apply["spec"]["configuration"]
     # A block someone else owns stays theirs: nothing to write about it.
-    theirs = KubeVirtView("kubevirt", "kubevirt", "", owned.pci_host_devices, None, owned.feature_gates, frozenset({"featureGates"}))
+    theirs = dataclasses.replace(owned, owned=frozenset({"featureGates", GATES_ANNOTATION}))
     assert not needs_apply(emptied.rendered, theirs)
 
 
@@ -244,3 +255,66 @@ def test_the_config_warns_well_before_the_kubevirt_cr_reaches_etcds_limit():
     assert "7519 pciHostDevices entries, 7500 of them assigned devices' own" in warning
     room = int(warning.split("about ")[1].split(" more assigned devices")[0])
     assert 2500 < room < 3500, warning
+
+
+def test_which_gates_are_ours_comes_from_the_cr_even_when_the_status_write_was_lost():
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, ("Snapshot",), frozenset())
+    with_gate = config({"kubevirt": {"extraFeatureGates": ["VMExport"]}})
+    first = plan_sync(with_gate, live, [], [], None, NOW)
+    applied = kubevirt_after(first)
+    assert applied.our_gates == ("HostDevices", "VMExport") and applied.feature_gates == ("HostDevices", "VMExport", "Snapshot")
+    # The operator died between the CR's apply and the config's status: the status never said VMExport.
+    dropped = plan_sync(config({}, status={}), applied, [], [], first.rendered, NOW)
+    assert dropped.apply["spec"]["configuration"]["developerConfiguration"]["featureGates"] == ["HostDevices", "Snapshot"]
+
+
+def test_a_kubevirt_cr_the_values_no_longer_name_is_let_go_of():
+    live = KubeVirtView("kubevirt", "kubevirt", "", None, None, ("Snapshot",), frozenset())
+    first = plan_sync(config({"kubevirt": {"extraFeatureGates": ["VMExport"]}}), live, [], [], None, NOW)
+    old = kubevirt_after(first)
+    body = release(old)
+    assert body["metadata"] == {"name": "kubevirt", "namespace": "kubevirt"}  # no annotation: ours goes
+    assert body["spec"] == {"configuration": {"developerConfiguration": {"featureGates": ["Snapshot"]}}}  # no allow-list
+    # Once let go of, nothing more is written to it.
+    after = KubeVirtView.of({**body, "metadata": {**body["metadata"], "managedFields": [
+        {"manager": "passthrough-operator", "operation": "Apply", "fieldsV1": fields_v1(body)}]}})
+    assert after.owned == frozenset({"featureGates"}) and release(after) is None
+    # A CR whose gates were all ours loses the list; one never ours is left alone.
+    only_ours = dataclasses.replace(old, feature_gates=("HostDevices", "VMExport"))
+    assert "spec" not in release(only_ours)
+    assert release(KubeVirtView("kubevirt", "other", "", None, None, ("Snapshot",), frozenset())) is None
+
+
+def test_the_managed_fields_parser_reads_a_real_kubevirt_cr():
+    # tests/data/kubevirt-managed-fields.json: a KubeVirt CR from the real API server after our
+    # apply (our gates and one assigned device), beside its installer's Update and an admin's
+    # kubectl edit. KubeVirt's featureGates list is atomic: our force apply took all of it.
+    import json
+    from pathlib import Path
+
+    sample = json.loads((Path(__file__).resolve().parents[1] / "data/kubevirt-managed-fields.json").read_text())
+    managers = [(e["manager"], e["operation"]) for e in sample["metadata"]["managedFields"]]
+    assert managers == [("passthrough-operator", "Apply"), ("OpenAPI-Generator", "Update"), ("kubectl-edit", "Update")]
+    view = KubeVirtView.of(sample)
+    assert view.owned == {"pciHostDevices", "featureGates", GATES_ANNOTATION}
+    assert view.our_gates == ("HostDevices", "VMExport")
+    assert view.feature_gates == ("HostDevices", "VMExport", "Snapshot")
+    # Another manager's entries, or ours as an Update, own nothing of ours.
+    theirs = [dict(e, manager="kubectl-edit") for e in sample["metadata"]["managedFields"]]
+    assert KubeVirtView.of({**sample, "metadata": {**sample["metadata"], "managedFields": theirs}}).our_gates is None
+
+
+def test_an_empty_allow_list_leaves_a_block_another_manager_wrote_and_says_so():
+    # The operator writes only its own fields (server-side apply): a permittedHostDevices block an
+    # admin or a GitOps tool wrote stays theirs. The config must not claim nothing is checked then.
+    hand_added = ({"pciVendorSelector": "10DE:2236", "resourceName": "nvidia.com/GA102GL_A10"},)
+    live = KubeVirtView("kubevirt", "kubevirt", "", hand_added, None, ("Snapshot",), frozenset())
+    plan = plan_sync(config({"gpu": {"replaceDefaults": True}}), live, [], [], None, NOW)
+    assert "permittedHostDevices" not in plan.apply["spec"]["configuration"]
+    matched = next(c for c in status_after(plan)["conditions"] if c["type"] == "NodesMatchAllowList")
+    assert (matched["status"], matched["reason"]) == ("False", "AllowListNotOurs")
+    assert "another field manager wrote (1 pciHostDevices)" in matched["message"]
+    # Ours, being let go of by this very apply: the usual warning that nothing is checked.
+    ours = dataclasses.replace(live, owned=frozenset({"pciHostDevices"}))
+    plan = plan_sync(config({"gpu": {"replaceDefaults": True}}), ours, [], [], None, NOW)
+    assert next(c for c in status_after(plan)["conditions"] if c["type"] == "NodesMatchAllowList")["reason"] == "NoAllowList"

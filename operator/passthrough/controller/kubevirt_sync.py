@@ -21,7 +21,7 @@ from passthrough.kube.custom import OPERATOR_MANAGER
 from passthrough.pci.naming import exclusive_resource_name
 from passthrough.kubevirt.allowlist import AssignedDevice
 from passthrough.kubevirt.mismatches import Advertised, Mismatch, mismatches, split_default_models
-from passthrough.kubevirt.render import Rendered, render
+from passthrough.kubevirt.render import GATES_ANNOTATION, Rendered, render
 from passthrough.kubevirt.values import ValuesError, parse_values
 
 # status lists are capped so that a config of thousands of entries keeps a readable status
@@ -54,10 +54,12 @@ class KubeVirtView:
     feature_gates: tuple[str, ...]
     owned: frozenset[str]  # which of our three lists our field manager owns
     resource_version: str = ""
+    our_gates: tuple[str, ...] | None = None  # the gates we applied (our annotation), None without one of ours
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> KubeVirtView:
         meta = body["metadata"]
+        owned = owned_by_us(meta.get("managedFields") or [])
         configuration = ((body.get("spec") or {}).get("configuration")) or {}
         permitted = configuration.get("permittedHostDevices") or {}
         gates = (configuration.get("developerConfiguration") or {}).get("featureGates") or []
@@ -70,22 +72,56 @@ class KubeVirtView:
             pci_host_devices=tuple(dict(e) for e in pci) if pci is not None else None,
             mediated_devices=tuple(dict(e) for e in mdev) if mdev is not None else None,
             feature_gates=tuple(gates),
-            owned=_owned_lists(meta.get("managedFields") or []),
+            owned=owned,
             resource_version=meta.get("resourceVersion", ""),
+            our_gates=_our_gates((meta.get("annotations") or {}).get(GATES_ANNOTATION)) if GATES_ANNOTATION in owned else None,
         )
 
 
-def _owned_lists(managed_fields: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+def _our_gates(recorded: str | None) -> tuple[str, ...] | None:
+    if recorded is None:
+        return None
+    return tuple(g for g in recorded.split(",") if g)
+
+
+def owned_by_us(managed_fields: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """What our field manager's applies own of a KubeVirt CR, from its managedFields: of our
+    three lists, the ones it owns ("pciHostDevices", "mediatedDevices", "featureGates"), and
+    GATES_ANNOTATION when the annotation that records our gates is ours."""
     owned = set()
     for entry in managed_fields:
         if entry.get("manager") != OPERATOR_MANAGER or entry.get("operation") != "Apply":
             continue
-        configuration = ((entry.get("fieldsV1") or {}).get("f:spec") or {}).get("f:configuration") or {}
+        fields = entry.get("fieldsV1") or {}
+        configuration = (fields.get("f:spec") or {}).get("f:configuration") or {}
         permitted = configuration.get("f:permittedHostDevices") or {}
         owned |= {key[2:] for key in permitted if key in ("f:pciHostDevices", "f:mediatedDevices")}
         if "f:featureGates" in (configuration.get("f:developerConfiguration") or {}):
             owned.add("featureGates")
+        if f"f:{GATES_ANNOTATION}" in ((fields.get("f:metadata") or {}).get("f:annotations") or {}):
+            owned.add(GATES_ANNOTATION)
     return frozenset(owned)
+
+
+def release(kubevirt: KubeVirtView, recorded_gates: Sequence[str] = ()) -> dict[str, Any] | None:
+    """The apply that lets go of a KubeVirt CR the values no longer name (spec.kubevirt points
+    elsewhere), None when there is nothing of ours left on it.
+
+    Our allow-lists and our annotation go. The feature gates list is atomic: what stays of it is
+    the live gates less ours (the annotation's, or `recorded_gates` for a CR written before the
+    annotation), still under our manager (letting go of it would remove the whole list); with
+    none left, the list goes too."""
+    ours = kubevirt.our_gates if kubevirt.our_gates is not None else tuple(recorded_gates)
+    lists = kubevirt.owned - {"featureGates", GATES_ANNOTATION}
+    others = [g for g in kubevirt.feature_gates if g not in ours]
+    gates_left = "featureGates" in kubevirt.owned and list(kubevirt.feature_gates) != others
+    if not lists and GATES_ANNOTATION not in kubevirt.owned and not gates_left:
+        return None
+    body: dict[str, Any] = {"apiVersion": "kubevirt.io/v1", "kind": "KubeVirt",
+                            "metadata": {"name": kubevirt.name, "namespace": kubevirt.namespace}}  # fmt: skip
+    if "featureGates" in kubevirt.owned and others:
+        body["spec"] = {"configuration": {"developerConfiguration": {"featureGates": others}}}
+    return body
 
 
 def assigned_devices(devices: Iterable[Device], node_devices: Mapping[str, NodeDevice]) -> list[AssignedDevice]:
@@ -195,7 +231,18 @@ def needs_apply(rendered: Rendered, live: KubeVirtView) -> bool:
                 return True
         elif key in live.owned:  # we wrote it once and must now let go of it
             return True
-    return False
+    return live.our_gates != tuple(rendered.our_feature_gates)  # the record of our gates, missing or edited
+
+
+def _block_of_another_manager(kubevirt: KubeVirtView | None) -> str:
+    """What is left of KubeVirt's permittedHostDevices once our apply without it lands: the lists
+    another field manager owns ("3 pciHostDevices, ..."), or "" when there are none."""
+    if kubevirt is None:
+        return ""
+    left = [f"{len(entries)} {key}" for key, entries in (("pciHostDevices", kubevirt.pci_host_devices),
+                                                         ("mediatedDevices", kubevirt.mediated_devices))
+            if entries and key not in kubevirt.owned]  # fmt: skip
+    return ", ".join(left)
 
 
 def _listed(items: list[Mismatch]) -> list[dict[str, str]]:
@@ -218,7 +265,12 @@ def plan_sync(
     if config is None:
         return plan  # without the platform values, KubeVirt is not ours to manage
     target = "/".join(kubevirt_target(config.spec))
-    previous_gates = list(config.status.get("featureGates") or [])
+    # The gates we applied last: the CR's own record, written in the same apply as the gates;
+    # the config's status only for a CR written before that record existed.
+    if kubevirt is not None and kubevirt.our_gates is not None:
+        previous_gates = list(kubevirt.our_gates)
+    else:
+        previous_gates = list(config.status.get("featureGates") or [])
     live_gates = list(kubevirt.feature_gates) if kubevirt else []
 
     problems: list[str] = []
@@ -283,7 +335,16 @@ def plan_sync(
     not_advertised, not_permitted = mismatches(pci, advertised)
     not_advertised, unused_default_models = split_default_models(not_advertised)
     plan.not_permitted, plan.not_advertised = len(not_permitted), len(not_advertised)
-    if rendered is not None and not pci:
+    theirs = _block_of_another_manager(kubevirt) if rendered is not None and not pci and not rendered.mediated_devices else None
+    if theirs:
+        conditions["NodesMatchAllowList"] = Cond(
+            "False", "AllowListNotOurs",
+            f"The values' allow-list is empty, but KubeVirt {target} has a permittedHostDevices block another field manager "
+            f"wrote ({theirs}), and KubeVirt checks device names against it. The operator writes only its own fields and "
+            "leaves it: remove it where it was written (kubectl edit, your GitOps repository), or list the devices in "
+            "gpu.permittedHostDevices.",
+        )
+    elif rendered is not None and not pci:
         conditions["NodesMatchAllowList"] = Cond(
             "False", "NoAllowList", "permittedHostDevices is empty, so KubeVirt checks no device names at all."
         )

@@ -362,10 +362,31 @@ class Reconciler:
             self.writes += 1
             expectations.append(("config", "", CONFIG_NAME, written["metadata"]["resourceVersion"]))
         involved = {"api_version": API_VERSION, "kind": PASSTHROUGH_CONFIG.kind, "name": config.name, "uid": config.uid}
+        expectations += await self._release_others(config, plan)
         for type_, reason, message in plan.events:
             self.events.post(involved, type_, reason, message)
         if expectations:
             await self._wait_for(KUBEVIRT, lambda: all(self._config_seen(*e) for e in expectations))
+
+    async def _release_others(self, config: kubevirt_sync.ConfigView, plan: kubevirt_sync.SyncPlan) -> list[tuple[str, str, str, str]]:
+        """Let go of the KubeVirt CRs the values no longer name (spec.kubevirt pointed elsewhere):
+        our allow-lists, our gates and their record go from them (see kubevirt_sync.release)."""
+        target = kubevirt_sync.kubevirt_target(config.spec)
+        recorded = list(config.status.get("featureGates") or [])
+        expectations = []
+        for key, store in list((self.indices.get(KUBEVIRTS) or {}).items()):
+            for view in list(store)[:1]:
+                body = kubevirt_sync.release(view, recorded) if key != target else None
+                if body is None:
+                    continue
+                with metrics.write("kubevirts", "apply"):
+                    written = await self.kubevirts.apply(body, OPERATOR_MANAGER)
+                self.writes += 1
+                log.info("let go of KubeVirt %s/%s: the PassthroughConfig names %s/%s now", view.namespace, view.name, *target)
+                plan.events.append(("Normal", "Released", f"Let go of KubeVirt {view.namespace}/{view.name} (its allow-list and "
+                                    f"our feature gates): spec.kubevirt names {'/'.join(target)} now."))  # fmt: skip
+                expectations.append(("kubevirt", view.namespace, view.name, written["metadata"]["resourceVersion"]))
+        return expectations
 
     def _config_seen(self, what: str, namespace: str, name: str, rv: str) -> bool:
         if what == "kubevirt":

@@ -15,8 +15,11 @@ Decisions a platform admin should know:
   status.warnings) with the size and how many more devices fit.
 - Feature gates: `HostDevices`, then `extraFeatureGates`, without duplicates ("ours"), then
   the live gates that are not ours, in their live order. KubeVirt's `featureGates` list is
-  atomic, so a live gate is dropped only when we applied it last time (the config's status)
-  and the values no longer ask for it.
+  atomic, so a live gate is dropped only when we applied it last time and the values no longer
+  ask for it. Which gates we applied is written in the same apply, as the CR's annotation
+  `passthrough.io/feature-gates` (its managedFields say the annotation is ours): a list that
+  is atomic says in its managedFields only that the whole list is ours, and a record kept
+  elsewhere (the config's status, as before) is lost by a crash between the two writes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from passthrough.kubevirt.values import HOST_DEVICES_GATE, plan_spec
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 
 
+GATES_ANNOTATION = "passthrough.io/feature-gates"  # on the KubeVirt CR: the gates we applied, comma-separated
 ETCD_REQUEST_LIMIT = 1536 * 1024  # etcd's default --max-request-bytes: the largest object it stores
 CR_SIZE_WARNING = 1024 * 1024  # bytes of our part of the KubeVirt CR past which the render warns
 
@@ -158,6 +162,8 @@ def render(
         pci_host_devices=pci,
         mediated_devices=mdev,
         feature_gates=gates,
+        our_feature_gates=ours,
+        gates_annotation=GATES_ANNOTATION,
     )
     size = patch_size(patch)
     warnings = list(plan.warnings)
