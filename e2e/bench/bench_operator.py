@@ -245,7 +245,15 @@ async def floor_of(api, bodies: list[list]) -> float:
     kinds = {"nodepcidevices": (Custom(api, "nodepcidevices"), True), "pcidevices": (Custom(api, "pcidevices", namespaced=True), False),
              "pcidevices-status": (Custom(api, "pcidevices", namespaced=True), True)}
 
+    # As many chains at once as the client has connections: more would only queue for one, and a
+    # request's 60 s timeout counts its wait for a connection (10,000 at once timed out on a busy machine).
+    limit = asyncio.Semaphore(64)
+
     async def one(writes: list) -> None:
+        async with limit:
+            await chain(writes)
+
+    async def chain(writes: list) -> None:
         for kind, body in writes:
             if kind == "event":
                 recorder.post(*body)

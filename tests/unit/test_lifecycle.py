@@ -770,3 +770,19 @@ def test_finalizer_writes_apply_only_the_operators_own_metadata():
     assert guard.body["metadata"]["labels"] == {"passthrough.io/node": "gpu-1"}
     assert [o["uid"] for o in guard.body["metadata"]["ownerReferences"]] == ["npci-uid"]
     assert guard.body["metadata"]["finalizers"] == [lc.FINALIZER]
+
+
+def test_reassigning_back_while_the_old_namespaces_vm_holds_it_waits_for_that_vm():
+    # A to B, then back to A, while A's VM lists the device: A's old PCIDevice is Terminating and
+    # cannot be revived (a deletion is never cancelled), so A waits until the VM lets go (README).
+    vms = {"team-a": ("vm-1",)}
+    settled = converge(world(node_device("team-a"), vms=vms))
+    to_b = converge(lc.World(NAME, dataclasses.replace(settled.node_device, assigned_namespace="team-b"), settled.devices,
+                             settled.namespaces, vms, NOW))  # fmt: skip
+    back = converge(lc.World(NAME, dataclasses.replace(to_b.node_device, assigned_namespace="team-a"), to_b.devices,
+                             to_b.namespaces, vms, NOW))  # fmt: skip
+    assert [(d.namespace, d.deleting) for d in back.devices] == [("team-a", True)]
+    assert back.node_device.assigned.reason == "InProgress"
+    released = converge(lc.World(NAME, back.node_device, back.devices, back.namespaces, {}, NOW))
+    assert [(d.namespace, d.deleting) for d in released.devices] == [("team-a", False)]
+    assert released.node_device.assigned.reason == "Assigned"
