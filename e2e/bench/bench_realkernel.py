@@ -11,6 +11,10 @@
   assignment to every member back on its own driver (the agent asks the kubelet's PodResources
   first). Per shape: a single-function group with a driver (e1000e), one without (edu), and
   two-function groups (display + audio, a dual-port NIC). p50 and max over --rounds.
+- to Unhealthy: from the rig's monitor command (the guest's clock read just before it) to the
+  first ListAndWatch update, read in the guest over the plugin's socket, without the device
+  Healthy: an injected AER error (`pcie_aer_inject_error`, the NIC behind its root port) and a
+  device taken away (`device_del` of the served pci-testdev). Once each: device_del is for good.
 
 Everything runs under TCG on this machine's busy cores; the figures are the rig's, not a real
 node's (where Python is about 12 times faster). Nothing is asserted.
@@ -32,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from e2e import cluster as local  # noqa: E402
 from e2e.guest.kernel import DEFAULT_SERIES, SERIES, kernel  # noqa: E402
 from e2e.guest.machine import TOPOLOGY, address, boot  # noqa: E402
-from e2e.guest.node import GuestNode, wait, wait_drivers  # noqa: E402
+from e2e.guest.node import GuestNode, PluginWatch, assign, condition, guest_clock, wait, wait_drivers  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
 
 SHAPES = ("nic", "edu", "gpu", "dualnic")  # slot names of e2e/guest/machine.py's TOPOLOGY
@@ -59,6 +63,28 @@ def measure(node: GuestNode, slot: str, namespace: str, rounds: int) -> tuple[li
         wait_drivers(node.guest, original, timeout=300)
         give_backs.append(time.monotonic() - started)
     return binds, give_backs
+
+
+def to_unhealthy(node: GuestNode, slot: str, namespace: str, inject) -> str:
+    """Hand the slot's device out, then `inject()` on the rig's monitor: seconds to not Healthy."""
+    member = address(slot)
+    assign(node, member, namespace)
+    wait_drivers(node.guest, {member: "vfio-pci"}, timeout=300)
+
+    def resource():
+        device = node.devices()[member]
+        return condition(device, "Ready").get("status") == "True" and device["status"].get("resourceName")
+
+    name = wait(resource, 120, f"{member} served", node)
+    with PluginWatch(node.guest, node.device_plugin_dir, name) as watch:
+        wait(lambda: watch.first(lambda d: d.get(member) == "Healthy"), 60, "ListAndWatch Healthy")
+        before = guest_clock(node.guest)
+        inject()
+        try:
+            at = wait(lambda: watch.first(lambda d: d.get(member) != "Healthy", before), 20, "not Healthy")
+        except AssertionError:
+            return "not reached in 20 s"
+    return f"{at - before:5.2f} s"
 
 
 def _figures(samples: list[float]) -> str:
@@ -100,6 +126,12 @@ def main() -> int:
                 print(f"  {shape}")
                 print(f"    bind to vfio-pci:        {_figures(binds)}")
                 print(f"    give-back to its driver: {_figures(give_backs)}")
+            monitor = guest.monitor
+            print("\nmonitor command to Unhealthy in ListAndWatch:")
+            aer = to_unhealthy(node, "nic", namespace, lambda: monitor.hmp("pcie_aer_inject_error nic-0 POISON_TLP"))
+            print(f"  AER error injected (nic):     {aer}")
+            gone = to_unhealthy(node, "testdev", namespace, lambda: monitor.execute("device_del", id="testdev-0"))
+            print(f"  surprise removal (device_del): {gone}")
         finally:
             if node is not None:
                 node.stop()
