@@ -190,14 +190,16 @@ class Agent:
 
     async def _watch_node(self) -> None:
         """Wake a scan when the node enters or leaves GPU passthrough mode (a label an admin sets),
-        or its resource names change (another device plugin registered or went: one server per
-        device, so the agent looks at what the kubelet now serves)."""
-        served: frozenset[str] | None = None
+        or its extended resources change (another device plugin registered, went or changed: one
+        server per device, so the agent looks at what the kubelet now serves)."""
+        served: dict[str, str] | None = None
 
         def seen(kind: str, node: dict[str, Any]) -> None:
             nonlocal served
             labels = (node.get("metadata") or {}).get("labels") or {}
-            names = frozenset((node.get("status") or {}).get("capacity") or {})
+            # Extended resources and their counts: a plugin's devices may reach the node's
+            # capacity a status update after its name does.
+            names = {k: v for k, v in ((node.get("status") or {}).get("capacity") or {}).items() if "/" in k}
             if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
                 self._node_labels = labels
                 self.trigger()
