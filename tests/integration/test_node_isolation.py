@@ -272,6 +272,8 @@ async def test_a_device_another_plugin_serves_is_neither_bound_nor_served_by_the
         async with grpc.aio.insecure_channel(f"unix://{kubelet.kubelet_socket}") as channel:
             await dp_grpc.RegistrationStub(channel).Register(
                 dp.RegisterRequest(version=API_VERSION, endpoint=other.endpoint, resource_name=other.resource_name))
+        # The kubelet has it (its node status says so), and the agent, woken by that change, steps aside.
+        await wait_resources(core, kubelet.node_name, {"example.com/other-gpu": "1"}, agent, field="capacity", timeout=60)
         cond = await wait_ready(api, kubelet.node_name, FIRST, "ServedByOtherPlugin", agent, timeout=60)
         assert "example.com/other-gpu" in cond["message"] and cond["status"] == "False"
         await wait_resources(core, kubelet.node_name, {POOL: "1", "example.com/other-gpu": "1"}, agent)
