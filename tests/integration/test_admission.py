@@ -540,26 +540,6 @@ def test_the_chart_generates_a_serving_certificate_that_its_ca_bundle_trusts(hel
     assert pod["volumes"] == [{"name": "webhook-tls", "secret": {"secretName": "passthrough-webhook-tls"}}]
 
 
-def test_with_cert_manager_it_issues_the_certificate_and_injects_the_ca_bundle(helm):
-    objects = render(helm, "--set=webhook.certManager.enabled=true")
-    assert "Secret" not in {o["kind"] for o in objects}
-    certificate, issuer = the(objects, "Certificate"), the(objects, "Issuer")
-    assert issuer["spec"] == {"selfSigned": {}}
-    assert certificate["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer"}
-    assert certificate["spec"]["secretName"] == "passthrough-webhook-tls"
-    assert "passthrough-webhook.passthrough-system.svc" in certificate["spec"]["dnsNames"]
-    configuration = the(objects, "ValidatingWebhookConfiguration")
-    assert configuration["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "passthrough-system/passthrough-webhook"}
-    assert not any("caBundle" in w["clientConfig"] for w in configuration["webhooks"])
-    pod, _ = operator_pod(objects)
-    assert pod["volumes"][0]["secret"]["secretName"] == certificate["spec"]["secretName"]
-
-    objects = render(helm, "--set=webhook.certManager.enabled=true", "--set=webhook.certManager.issuerRef.name=corp-ca",
-                     "--set=webhook.certManager.issuerRef.kind=ClusterIssuer")  # fmt: skip
-    assert "Issuer" not in {o["kind"] for o in objects}
-    assert the(objects, "Certificate")["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
-
-
 def test_without_the_webhook_nothing_of_it_is_rendered(helm):
     objects = render(helm, "--set=webhook.enabled=false")
     assert not {"Secret", "ValidatingWebhookConfiguration"} & {o["kind"] for o in objects}
