@@ -55,7 +55,7 @@ PLATFORM = {
             "mediatedDevices": [],
         },
     },
-    "devices": {"notFoundGracePeriodSeconds": 120},
+    "devices": {"notFoundGracePeriodSeconds": 120, "confirmNewNamespaces": False},
     "discovery": {"sriovVirtualFunctions": True},
 }
 # What a denied request leaves in a log: the API's answer, or Kopf's warning about it. (A bare
