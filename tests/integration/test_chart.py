@@ -246,7 +246,7 @@ def test_a_values_file_is_the_platform_values(helm, tmp_path):
     selector = one(objects, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"]
     assert selector == {"kubernetes.io/os": "linux", "passthrough.io/gpu": "true"}
     assert "--workers=4" in container(objects, "Deployment")["command"]
-    assert one(objects, "Deployment")["spec"]["replicas"] == 1  # not a value: Kopf runs one
+    assert one(objects, "Deployment")["spec"]["replicas"] == 2  # the default: one leads, both serve the webhooks
 
 
 def test_config_create_false_leaves_the_passthrough_config_to_someone_else(helm):
