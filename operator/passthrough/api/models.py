@@ -178,8 +178,10 @@ class NodePCIDeviceSpec(APIModel):
             ]
         },
     )
-    confirmedNamespaceUID: str = Field(
-        default="",
+    # No default: an object an admin never confirmed carries no such field (the API server would
+    # otherwise add an empty one to every NodePCIDevice).
+    confirmedNamespaceUID: str | None = Field(
+        default=None,
         max_length=UID_MAX,
         description=(
             "The uid of the namespace a device admin confirms as the one meant by assignedNamespace. Needed, with "
