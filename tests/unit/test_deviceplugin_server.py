@@ -25,7 +25,8 @@ from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grp
 from passthrough.deviceplugin.kubeletapi.podresources_v1 import api_pb2 as pr
 from passthrough.deviceplugin.kubeletapi.podresources_v1 import api_pb2_grpc as pr_grpc
 from passthrough.deviceplugin.manager import PluginManager
-from passthrough.deviceplugin.podresources import PodResourcesUnavailable, held_devices
+from passthrough.deviceplugin.holder import Holder
+from passthrough.deviceplugin.podresources import PodResourcesUnavailable, view
 from passthrough.deviceplugin.server import UNIX_PATH_MAX, DevicePlugin, socket_name
 
 pytestmark = pytest.mark.timeout(30)
@@ -404,7 +405,7 @@ def container(name: str, *devices: tuple[str, list[str]]) -> pr.ContainerResourc
     )
 
 
-async def test_held_devices_collects_every_pods_devices_by_resource(plugin_dir):
+async def test_the_kubelets_view_names_every_pod_that_holds_each_device(plugin_dir):
     answer = pr.ListPodResourcesResponse(
         pod_resources=[
             pr.PodResources(
@@ -419,34 +420,40 @@ async def test_held_devices_collects_every_pods_devices_by_resource(plugin_dir):
     path = plugin_dir / "pr.sock"
     server = await serve_pod_resources(path, FakePodResources(answer))
     try:
-        assert await held_devices(path) == {A10: {GPU0.id, GPU1.id}, NIC: {NIC0.id}}
+        seen = await view(path)
+        assert seen.holders == {
+            GPU0.id: (Holder("team-a", "virt-launcher-a", A10),),
+            NIC0.id: (Holder("team-a", "virt-launcher-a", NIC),),
+            GPU1.id: (Holder("team-b", "virt-launcher-b", A10),),
+        }
+        assert seen.allocatable == {}  # a kubelet without GetAllocatableResources: no other plugin seen
     finally:
         await server.stop(0)
 
 
-async def test_held_devices_is_unavailable_without_a_socket(plugin_dir):
+async def test_the_kubelets_view_is_unavailable_without_a_socket(plugin_dir):
     with pytest.raises(PodResourcesUnavailable, match="does not exist"):
-        await held_devices(plugin_dir / "missing.sock")
+        await view(plugin_dir / "missing.sock")
 
 
-async def test_held_devices_is_unavailable_when_nothing_listens(plugin_dir):
+async def test_the_kubelets_view_is_unavailable_when_nothing_listens(plugin_dir):
     path = plugin_dir / "dead.sock"
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(str(path))  # the file of a kubelet that died: bound, never listening
     try:
         with pytest.raises(PodResourcesUnavailable, match="UNAVAILABLE"):
-            await held_devices(path, timeout=1)
+            await view(path, timeout=1)
     finally:
         dead.close()
 
 
-async def test_held_devices_is_unavailable_when_the_kubelet_does_not_answer(plugin_dir):
+async def test_the_kubelets_view_is_unavailable_when_the_kubelet_does_not_answer(plugin_dir):
     path = plugin_dir / "slow.sock"
     server = await serve_pod_resources(path, FakePodResources(None, hang=True))
     try:
         started = time.monotonic()
         with pytest.raises(PodResourcesUnavailable, match="DEADLINE_EXCEEDED"):
-            await held_devices(path, timeout=0.3)
+            await view(path, timeout=0.3)
         assert time.monotonic() - started < 2
     finally:
         await server.stop(0)

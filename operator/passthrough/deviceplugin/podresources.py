@@ -25,38 +25,22 @@ class PodResourcesUnavailable(RuntimeError):
     """The kubelet's PodResources API could not be asked; which devices are held is unknown."""
 
 
-async def held_devices(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0) -> dict[str, set[str]]:
-    """Resource name -> IDs of the devices that some container of some pod on this node holds."""
-    held: dict[str, set[str]] = {}
-    for device_id, found in (await holders(socket, timeout)).items():
-        for holder in found:
-            held.setdefault(holder.resource, set()).add(device_id)
-    return held
-
-
-async def holders(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0) -> dict[str, tuple[Holder, ...]]:
-    """Device ID -> the pods on this node that hold it, each with the resource it holds it under."""
-    return (await view(socket, timeout, allocatable=False)).holders
-
-
 @dataclass(frozen=True)
 class KubeletView:
     holders: dict[str, tuple[Holder, ...]]  # device ID -> the pods that hold it
     allocatable: dict[str, str]  # device ID -> the resource some plugin (ours or not) serves it under
 
 
-async def view(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0, allocatable: bool = True) -> KubeletView:
-    """Who holds what, and (with `allocatable`) which resource every served device is under."""
+async def view(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0) -> KubeletView:
+    """Who holds what, and which resource every served device is under."""
     socket = Path(socket)
     if not socket.exists():
         raise PodResourcesUnavailable(f"{socket} does not exist (is the kubelet running?)")
-    served: dict[str, str] = {}
     try:
         async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
             stub = api_grpc.PodResourcesListerStub(channel)
             answer = await stub.List(api.ListPodResourcesRequest(), timeout=timeout)
-            if allocatable:
-                served = await _allocatable(stub, timeout)
+            served = await _allocatable(stub, timeout)
     except grpc.aio.AioRpcError as exc:
         raise PodResourcesUnavailable(f"PodResources on {socket} failed ({exc.code().name}: {exc.details()})") from None
     return KubeletView(_holders(answer), served)
