@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from passthrough.agent.handover import served_elsewhere
 from passthrough.deviceplugin.allocation import PluginDevice
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc
@@ -427,6 +428,32 @@ async def test_the_kubelets_view_names_every_pod_that_holds_each_device(plugin_d
             GPU1.id: (Holder("team-b", "virt-launcher-b", A10),),
         }
         assert seen.allocatable == {}  # a kubelet without GetAllocatableResources: no other plugin seen
+    finally:
+        await server.stop(0)
+
+
+class AllocatablePodResources(FakePodResources):
+    def __init__(self, served: pr.AllocatableResourcesResponse) -> None:
+        super().__init__(pr.ListPodResourcesResponse())
+        self.served = served
+
+    async def GetAllocatableResources(self, request, context):
+        return self.served
+
+
+async def test_a_device_two_plugins_serve_is_seen_under_both_names(plugin_dir):
+    # Ours pools GPU0 and GPU1; another plugin (NVIDIA's sandbox plugin) serves GPU0 too.
+    served = pr.AllocatableResourcesResponse(devices=[
+        pr.ContainerDevices(resource_name=A10, device_ids=[GPU0.id, GPU1.id]),
+        pr.ContainerDevices(resource_name="example.com/other-gpu", device_ids=[GPU0.id]),
+    ])  # fmt: skip
+    path = plugin_dir / "pr.sock"
+    server = await serve_pod_resources(path, AllocatablePodResources(served))
+    try:
+        seen = await view(path)
+        assert seen.allocatable == {GPU0.id: (A10, "example.com/other-gpu"), GPU1.id: (A10,)}
+        assert served_elsewhere(seen, [A10]) == {GPU0.id: "example.com/other-gpu"}
+        assert served_elsewhere(seen, [A10, "example.com/other-gpu"]) == {}
     finally:
         await server.stop(0)
 

@@ -228,7 +228,12 @@ def served_elsewhere(view: KubeletView | None, ours: list[str]) -> dict[str, str
     KubeVirt's own, SR-IOV's): not ours to bind or serve."""
     if view is None:
         return {}
-    return {device: resource for device, resource in view.allocatable.items() if resource not in ours}
+    found: dict[str, str] = {}
+    for device, resources in view.allocatable.items():
+        theirs = sorted(r for r in resources if r not in ours)
+        if theirs:
+            found[device] = ", ".join(theirs)
+    return found
 
 
 def held_elsewhere(address: str, holders: tuple[Holder, ...]) -> BindError:

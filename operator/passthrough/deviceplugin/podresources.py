@@ -28,7 +28,7 @@ class PodResourcesUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class KubeletView:
     holders: dict[str, tuple[Holder, ...]]  # device ID -> the pods that hold it
-    allocatable: dict[str, str]  # device ID -> the resource some plugin (ours or not) serves it under
+    allocatable: dict[str, tuple[str, ...]]  # device ID -> every resource a plugin (ours or not) serves it under
 
 
 async def view(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0) -> KubeletView:
@@ -46,14 +46,20 @@ async def view(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0) -> Kub
     return KubeletView(_holders(answer), served)
 
 
-async def _allocatable(stub: api_grpc.PodResourcesListerStub, timeout: float) -> dict[str, str]:
+async def _allocatable(stub: api_grpc.PodResourcesListerStub, timeout: float) -> dict[str, tuple[str, ...]]:
     try:
         answer = await stub.GetAllocatableResources(api.AllocatableResourcesRequest(), timeout=timeout)
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
             raise
         return {}  # a kubelet older than 1.23, or with the endpoint turned off: other plugins go unseen
-    return {device_id: devices.resource_name for devices in answer.devices for device_id in devices.device_ids}
+    # One device may be served under two names (ours and another plugin's): keep both, or the
+    # other one hides behind ours.
+    served: dict[str, tuple[str, ...]] = {}
+    for devices in answer.devices:
+        for device_id in devices.device_ids:
+            served[device_id] = (*served.get(device_id, ()), devices.resource_name)
+    return served
 
 
 def _holders(answer: api.ListPodResourcesResponse) -> dict[str, tuple[Holder, ...]]:
