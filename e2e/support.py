@@ -15,7 +15,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from kubernetes_asyncio import client
@@ -222,6 +222,18 @@ async def wait_resources(core: client.CoreV1Api, node: str, expected: dict[str, 
     await wait_for(matches, timeout, interval=0.2, what=with_log)
 
 
+async def reported(api: client.ApiClient, node: str, addresses: Iterable[str], timeout: float = 30) -> dict[str, str]:
+    """device_names, once every one of `addresses` is in it: the agent's first scan creates its
+    objects one by one, so an early look sees some and not others."""
+    wanted = set(addresses)
+
+    async def complete():
+        names = await device_names(api, node)
+        return names if wanted <= names.keys() else None
+
+    return await wait_for(complete, timeout, 0.2, what=f"the agent's report of {sorted(wanted)}")
+
+
 async def device_names(api: client.ApiClient, node: str) -> dict[str, str]:
     """PCI address -> NodePCIDevice name, of the devices the node's agent reported."""
     items = (await Custom(api, "nodepcidevices").list(f"{NODE_LABEL}={node}"))["items"]
@@ -245,15 +257,19 @@ async def created(core: client.CoreV1Api, namespace: str, kubelet: Any, pod_name
         raise AssertionError(f"{exc}\npod status: {status}\nevents:\n{said}\nkubelet log:\n{kubelet.kubelet_log.read_text()[-4000:]}") from None
 
 
-async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 30, interval: float = 0.1, what: str = "") -> Any:
-    """Poll an async predicate until it returns something truthy; raise with `what` on timeout."""
+async def wait_for(
+    predicate: Callable[[], Awaitable[Any]], timeout: float = 30, interval: float = 0.1, what: str | Callable[[], str] = ""
+) -> Any:
+    """Poll an async predicate until it returns something truthy; raise with `what` on timeout
+    (a callable is asked then, so that a log it quotes is the log at the end, not at the start)."""
     deadline = time.monotonic() + timeout
     while True:
         value = await predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {said or predicate}")
         await asyncio.sleep(interval)
 
 

@@ -47,7 +47,7 @@ async def wait_ready(api, node: str, address: str, reason: str, agent: AgentProc
         cond = (await ready_of(api, node)).get(address)
         return cond if cond and cond["reason"] == reason else None
 
-    return await support.wait_for(reached, timeout, interval=0.2, what=f"{address} Ready/{reason}; agent log:\n{agent.output()[-3000:]}")
+    return await support.wait_for(reached, timeout, interval=0.2, what=lambda: f"{address} Ready/{reason}; agent log:\n{agent.output()[-3000:]}")
 
 
 async def events_for(api, name: str, reason: str) -> list:

@@ -44,7 +44,7 @@ async def test_an_api_server_that_hangs_up_mid_request_does_not_stop_the_agent(a
         async def all_reported():
             return len(await readiness(api, node.name)) == 4 and "0000:af:00.1" in await readiness(api, node.name)
 
-        await support.wait_for(all_reported, 30, what=f"first report; log:\n{agent.output()[-2000:]}")
+        await support.wait_for(all_reported, 30, what=lambda: f"first report; log:\n{agent.output()[-2000:]}")
         proxy.hang_up()
         # Scans every second, each answered by a server that goes away mid-request.
         await support.wait_for(lambda: asyncio.sleep(0, proxy.hung_up >= 5), 20, what="requests hung up on")

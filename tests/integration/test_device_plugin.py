@@ -69,7 +69,7 @@ async def label(core, node: str, value: str | None) -> None:
 
 async def test_a_node_in_gpu_mode_binds_its_gpus_and_advertises_the_pool(api, core, kubelet, agent, gpu_host):
     host, _ = gpu_host
-    await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
+    await support.reported(api, kubelet.node_name, GROUPS)
     # Not in GPU mode: nothing is bound, nothing is advertised.
     assert {a: host.driver(a) for a in GPUS} == {a: "nvidia" for a in GPUS}
     await label(core, kubelet.node_name, "true")
@@ -159,7 +159,7 @@ async def test_leaving_gpu_mode_gives_back_what_no_pod_holds_and_the_rest_when_i
     async def given_back(*addresses):
         return all(host.driver(a) == "nvidia" for a in addresses)
 
-    await support.wait_for(lambda: given_back(free), 30, what=f"{free} given back; log:\n{agent.output()[-3000:]}")
+    await support.wait_for(lambda: given_back(free), 30, what=lambda: f"{free} given back; log:\n{agent.output()[-3000:]}")
     assert host.driver(held) == "vfio-pci"  # a pod holds it: never pulled from under its VM
     assert {host.driver(a) for a in GROUPS if GROUPS[a] == GROUPS[free]} == {"nvidia", "snd_hda_intel"}
     await support.delete_pod(api, namespace, "holder")

@@ -20,7 +20,7 @@ from kubernetes_asyncio import client
 from e2e import fakesysfs, support
 from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess
-from e2e.support import created, device_names
+from e2e.support import created
 from passthrough.dra import cdi
 from passthrough.dra.slice import DRIVER, PCI_BUS_ID, slice_name
 from passthrough.kube.client import session_of
@@ -78,7 +78,7 @@ async def published(api, kubelet, agent, want: dict[str, str]) -> dict:
         devices = {d["name"]: d["attributes"]["passthrough.io/namespace"]["string"] for d in ((found or {}).get("spec") or {}).get("devices") or []}
         return found if devices == want else None
 
-    return await support.wait_for(matches, 30, 0.2, what=f"ResourceSlice with {want}; agent log:\n{agent.output()[-3000:]}")
+    return await support.wait_for(matches, 30, 0.2, what=lambda: f"ResourceSlice with {want}; agent log:\n{agent.output()[-3000:]}")
 
 
 def claim_pod(name: str, claim: str) -> dict:
@@ -98,7 +98,7 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
 ):
     host, _ = gpu_host
     session = session_of(api)
-    names = await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
     # Nothing handed out, the node not in GPU mode: nothing to offer, and nothing bound.
     await published(api, kubelet, agent, {})
     await support.assign(api, names[GPU], namespace)
@@ -155,7 +155,7 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
         async def unprepared():
             return not list(cdi_dir(kubelet).glob(f"*{uid}*"))
 
-        await support.wait_for(unprepared, 30, what=f"the claim's CDI specs removed; agent log:\n{agent.output()[-3000:]}")
+        await support.wait_for(unprepared, 30, what=lambda: f"the claim's CDI specs removed; agent log:\n{agent.output()[-3000:]}")
         assert not Path(mount["hostPath"]).exists()
         assert host.driver(GPU) == "vfio-pci"
     finally:
@@ -166,11 +166,11 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
     async def given_back():
         return (host.driver(GPU), host.driver(AUDIO)) == ("nvidia", "snd_hda_intel")
 
-    await support.wait_for(given_back, 30, what=f"group {GROUP} given back; agent log:\n{agent.output()[-3000:]}")
+    await support.wait_for(given_back, 30, what=lambda: f"group {GROUP} given back; agent log:\n{agent.output()[-3000:]}")
 
 
 async def test_the_resource_slice_at_rest_gets_no_write_per_rescan(api, kubelet, agent, gpu_host, namespace):
-    names = await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
     await support.assign(api, names[GPU], namespace)
     await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
     await support.quiet(api, ("resourceslices",))

@@ -19,7 +19,7 @@ from kubernetes_asyncio import client
 from e2e import fakesysfs, support
 from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess
-from e2e.support import created, device_names, wait_resources
+from e2e.support import created, wait_resources
 from passthrough.api.labels import NODE_LABEL
 from passthrough.deviceplugin.allocation import PluginDevice
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as dp
@@ -64,7 +64,7 @@ def core(api):
 
 @pytest.fixture
 async def names(api, kubelet, agent, core):
-    found = await support.wait_for(lambda: device_names(api, kubelet.node_name), 30, what="the agent's first report")
+    found = await support.reported(api, kubelet.node_name, (FIRST, "0000:3b:00.1", SECOND, SECOND_AUDIO))
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
     return found
 
@@ -95,7 +95,7 @@ async def wait_ready(api, node: str, address: str, reason: str, agent, timeout: 
         cond = await ready(api, node, address)
         return cond if cond["reason"] == reason and says in cond["message"] else None
 
-    return await support.wait_for(reached, timeout, 0.2, what=f"{address} Ready/{reason} ({says}); log:\n{agent.output()[-3000:]}")
+    return await support.wait_for(reached, timeout, 0.2, what=lambda: f"{address} Ready/{reason} ({says}); log:\n{agent.output()[-3000:]}")
 
 
 async def handed_out(api, name: str, namespace: str) -> None:
@@ -169,7 +169,7 @@ async def wait_holders(api, name: str, wanted: list[dict], agent, namespace: str
         return await holders_of(api, name, namespace) == wanted
 
     where = f"PCIDevice {namespace}/{name}" if namespace else f"NodePCIDevice {name}"
-    await support.wait_for(shown, timeout, 0.1, what=f"{where} holders {wanted}; log:\n{agent.output()[-3000:]}")
+    await support.wait_for(shown, timeout, 0.1, what=lambda: f"{where} holders {wanted}; log:\n{agent.output()[-3000:]}")
 
 
 async def test_the_node_pci_device_and_the_new_namespaces_pci_device_say_which_pod_holds_it(api, core, kubelet, agent, names,
@@ -214,7 +214,7 @@ async def test_a_pending_pod_of_the_namespace_a_device_left_never_gets_it(api, c
         pod = await core.read_namespaced_pod("waiting-a3", team_a)
         return pod if pod.status.phase == "Failed" else None
 
-    pod = await support.wait_for(refused, 60, 0.2, what=f"team-a's pending pod refused; log:\n{agent.output()[-3000:]}")
+    pod = await support.wait_for(refused, 60, 0.2, what=lambda: f"team-a's pending pod refused; log:\n{agent.output()[-3000:]}")
     assert f"belongs to namespace {team_b} now" in (pod.status.message or ""), pod.status
     assert not any(c["envs"].get("MARK") == "waiting-a3" for c in kubelet.created_containers())
     # team-b's own pod gets it.

@@ -131,7 +131,7 @@ async def agent(api, cluster, nodes, people, tmp_path_factory):
         return {o["status"]["attributes"]["pciAddress"]: o for o in items if o.get("status")} if len(items) == 4 else None
 
     try:
-        await support.wait_for(reported, 30, what=f"node-1's report; agent log:\n{process.output()[-3000:]}")
+        await support.wait_for(reported, 30, what=lambda: f"node-1's report; agent log:\n{process.output()[-3000:]}")
         yield SimpleNamespace(process=process, host=host, kernel=kernel, reported=reported)
     finally:
         process.stop()
@@ -342,7 +342,7 @@ async def test_the_agent_does_its_whole_job_under_its_node_policy(api, nodes, pe
         conditions = (obj or {}).get("status", {}).get("conditions") or []
         return obj is None or any(c["type"] == "Ready" and c["reason"] == "NotFound" for c in conditions)
 
-    await support.wait_for(not_found, 20, what=f"{AUDIO} NotFound; agent log:\n{agent.process.output()[-3000:]}")
+    await support.wait_for(not_found, 20, what=lambda: f"{AUDIO} NotFound; agent log:\n{agent.process.output()[-3000:]}")
     log = agent.process.output()
     assert "forbidden" not in log.lower() and " 403 " not in log and "Traceback" not in log, log[-5000:]
 
