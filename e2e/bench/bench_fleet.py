@@ -237,7 +237,7 @@ async def bench_fleet(local: cluster.LocalCluster, hosts: dict[str, fakesysfs.Fa
         print(f"first report writes:      {meter.total():g} ({devices / total:.2f} per device; {meter.breakdown()})")
         apiserver = meter.spent["kube-apiserver"]
         print(f"first report CPU:         {meter.cpu()}")
-        print(f"failed scans:             {failed_scans():g} (timed out or refused: each is retried in 5 s, "
+        print(f"failed scans:             {failed_scans():g} (timed out or refused: each retried with backoff, 2.5 s doubling to 60 s, jittered; "
               f"and a write it made may be made again)")
         print(f"API server CPU:           {apiserver / total * 1000:.2f} s per 1,000 devices on first report; "
               f"this process {meter.spent['this process'] / nodes * 1000:.0f} ms per agent")

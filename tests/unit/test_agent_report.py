@@ -106,6 +106,15 @@ def test_names_the_api_server_would_refuse_are_made_writable_not_fatal():
     assert attributes["name"] == "A" * PCI_IDS_NAME_MAX
 
 
+def test_the_attributes_the_agent_writes_are_the_schemas_every_field_and_valid():
+    from passthrough.api.models import PCIAttributes
+
+    for device in (gpu("0000:3b:00.0"), dataclasses.replace(gpu("0000:af:00.1"), driver="", iommu_group=-1, numa_node=-1)):
+        attributes = report.attributes(device, "node-a")
+        # Every field of the schema, none else, each as the model would write it.
+        assert PCIAttributes.model_validate(attributes).model_dump(by_alias=True) == attributes
+
+
 def test_a_device_is_handed_out_only_when_the_operator_says_so_for_the_namespace_the_spec_names():
     def npci(spec: str, ref: dict | None, assigned: str) -> dict:
         return {"spec": {"assignedNamespace": spec},

@@ -58,3 +58,15 @@ def test_the_default_is_ten_seconds_in_a_pod_and_none_elsewhere(monkeypatch):
     assert agent_main.run(parser.parse_args(["agent", "--node-name=n", "--start-jitter=0"])) == 0 and seen["jitter"] == 0
     assert agent_main.run(parser.parse_args(["agent", "--node-name=n", "--start-jitter=3s"])) == 0 and seen["jitter"] == 3
     assert agent_main.run(parser.parse_args(["agent", "--node-name=n", "--start-jitter=soon"])) == 2
+
+
+def test_failed_scans_are_retried_ever_later_and_apart_up_to_a_ceiling(monkeypatch):
+    # A thousand agents whose first scans fail together must not all come back in step, and not
+    # every 5 s (that fed an overloaded API server's lag in bench_fleet).
+    draws = []
+    monkeypatch.setattr("passthrough.kube.cache.random.random", lambda: draws.append(1) or 0.0)
+    lows = [loop.retry_delay(n) for n in range(1, 12)]
+    assert lows[:4] == [loop.RETRY_FIRST, 2 * loop.RETRY_FIRST, 4 * loop.RETRY_FIRST, 8 * loop.RETRY_FIRST]
+    assert lows == sorted(lows) and lows[-1] == loop.RETRY_MAX and len(draws) == 11
+    monkeypatch.setattr("passthrough.kube.cache.random.random", lambda: 0.999)
+    assert loop.RETRY_MAX < loop.retry_delay(50) < 2 * loop.RETRY_MAX  # drawn: each agent its own moment

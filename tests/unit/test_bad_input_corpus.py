@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from passthrough import cli
 from passthrough.agent import report
-from passthrough.api.models import PassthroughConfigSpec
+from passthrough.api.models import PassthroughConfigSpec, PCIAttributes
 from passthrough.kubevirt.render import render
 from passthrough.kubevirt.values import ValuesError, parse_values
 from passthrough.pci import pciids
@@ -79,6 +79,7 @@ def check_device(device: Device) -> None:
     if device.reported:
         # What the agent writes for it must be an object the API server takes.
         attributes = report.attributes(device, "node-a")
+        assert PCIAttributes.model_validate(attributes).model_dump(by_alias=True) == attributes, device.address
         for key in ("iommuGroup", "numaNode"):
             assert attributes[key] in INT64 and attributes[key] >= -1, f"{device.address}: {key} {attributes[key]}"
 

@@ -23,9 +23,9 @@ from passthrough.agent import metrics
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.handover import WAITING, Handover, Outcome, held_elsewhere, other_plugin, served_elsewhere
-from passthrough.api.models import NODE_PCI_DEVICE
+from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
 from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
-from passthrough.kube.cache import Mirror
+from passthrough.kube.cache import Mirror, jittered
 from passthrough.kube.client import APPLY_PATCH as APPLY, ApiError, session_of
 from passthrough.kube.connect import CannotStart
 from passthrough.kube.custom import AGENT_MANAGER, Custom
@@ -53,6 +53,16 @@ POD_END_RESCANS = (0.3, 1.0, 2.5)
 # up to this long, at random, before its first request, so the API server meets them spread out
 # (`passthrough agent --start-jitter`; an Agent made in a test starts at once).
 START_JITTER = 10.0
+# A scan that failed (timed out, refused, a write that did not land) is tried again after
+# RETRY_FIRST, doubling with each failure in a row up to RETRY_MAX, each wait between that and
+# twice it at random: a thousand agents whose first scans time out together (an API server
+# they overload at once) back off apart instead of coming back in step and feeding the lag.
+RETRY_FIRST, RETRY_MAX = 2.5, 60.0
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds before trying again after `failures` failed scans in a row (1 or more)."""
+    return jittered(min(RETRY_FIRST * 2 ** (failures - 1), RETRY_MAX))
 
 
 class AgentError(RuntimeError):
@@ -88,7 +98,7 @@ class Agent:
         self.sysfs_root, self.proc_root = Path(sysfs_root), Path(proc_root)
         self.pci_ids = pci_ids if pci_ids is not None else PciIds.load()
         self.rescan_interval = rescan_interval
-        self.devices = Custom(api, NODE_PCI_DEVICE.plural)
+        self.devices = Custom(api, NODE_PCI_DEVICE_PLURAL)
         self.mirror = Mirror(self.devices, label_selector=f"{NODE_LABEL}={node_name}")
         self.session = session_of(api)
         self._wake = asyncio.Event()
@@ -121,7 +131,7 @@ class Agent:
 
     async def preflight(self) -> None:
         try:
-            await require_crds(self.api, NODE_PCI_DEVICE.plural)
+            await require_crds(self.api, NODE_PCI_DEVICE_PLURAL)
         except CannotStart as exc:
             raise AgentError(str(exc)) from None
 
@@ -140,6 +150,7 @@ class Agent:
             background.append(asyncio.create_task(self._watch_pods(), name=f"pods-{self.node_name}"))
         try:
             await self.mirror.synced.wait()
+            failures = 0
             while True:
                 self._wake.clear()
                 self.mirror.changed.clear()
@@ -150,16 +161,21 @@ class Agent:
                         result = await self.scan()
                     if result.failed:
                         # Some writes failed (API unavailable, conflict): try again soon, not in 5 minutes.
+                        failures += 1
                         self._resync = True
-                        asyncio.get_running_loop().call_later(5, self._wake.set)
+                        asyncio.get_running_loop().call_later(retry_delay(failures), self._wake.set)
+                    else:
+                        failures = 0
                 except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
                     # aiohttp.ClientError: a server that accepted the connection and went away
                     # mid-request (ServerDisconnectedError) is no OSError, and no reason to stop.
-                    log.warning("scan failed (%s: %s); retrying in 5s", type(exc).__name__, exc)
+                    failures += 1
+                    delay = retry_delay(failures)
+                    log.warning("scan failed (%s: %s); retrying in %.0fs", type(exc).__name__, exc, delay)
                     metrics.SCAN_FAILURES.inc()
                     # A write whose answer was lost may have landed: the next scan lists first.
                     self._resync = True
-                    asyncio.get_running_loop().call_later(5, self._wake.set)
+                    asyncio.get_running_loop().call_later(delay, self._wake.set)
                 await self._wait_for_reason()
         finally:
             for task in background:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from passthrough.api.conditions import Cond, condition
-from passthrough.api.models import API_VERSION, DRIVER_MAX, MAX_HOLDERS, NODE_PCI_DEVICE, PCI_IDS_NAME_MAX, PCIAttributes
+from passthrough.api.names import API_VERSION, DRIVER_MAX, MAX_HOLDERS, NODE_PCI_DEVICE_KIND, PCI_IDS_NAME_MAX
 from passthrough.api.labels import NODE_LABEL
 from passthrough.pci.discovery import Device
 from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
@@ -44,7 +44,7 @@ def identity(name: str, node: Node) -> dict[str, Any]:
     """
     return {
         "apiVersion": API_VERSION,
-        "kind": NODE_PCI_DEVICE.kind,
+        "kind": NODE_PCI_DEVICE_KIND,
         "metadata": {"name": name, "labels": {NODE_LABEL: node.name}},
     }
 
@@ -104,20 +104,22 @@ def _text(value: str, limit: int) -> str:
 
 
 def attributes(device: Device, node: str) -> dict[str, Any]:
-    return PCIAttributes(
-        name=_text(device.name, PCI_IDS_NAME_MAX),
-        vendorName=_text(device.vendor_name, PCI_IDS_NAME_MAX),
-        pciAddress=device.address,
-        vendorID=device.vendor_id,
-        deviceID=device.device_id,
-        subsystemVendorID=device.subsystem_vendor_id,
-        subsystemDeviceID=device.subsystem_device_id,
-        class_=device.class_code,
-        driver=_text(device.driver, DRIVER_MAX),
-        iommuGroup=device.iommu_group,
-        numaNode=device.numa_node,
-        nodeName=node,
-    ).model_dump(by_alias=True)
+    """status.attributes, every field of the schema's PCIAttributes (a unit test holds them to
+    it; the agent does not load pydantic to build a dict)."""
+    return {
+        "name": _text(device.name, PCI_IDS_NAME_MAX),
+        "vendorName": _text(device.vendor_name, PCI_IDS_NAME_MAX),
+        "pciAddress": device.address,
+        "vendorID": device.vendor_id,
+        "deviceID": device.device_id,
+        "subsystemVendorID": device.subsystem_vendor_id,
+        "subsystemDeviceID": device.subsystem_device_id,
+        "class": device.class_code,
+        "driver": _text(device.driver, DRIVER_MAX),
+        "iommuGroup": device.iommu_group,
+        "numaNode": device.numa_node,
+        "nodeName": node,
+    }
 
 
 def ready_condition(device: Device, failure: Exception | None = None) -> tuple[str, str, str]:
@@ -234,7 +236,7 @@ def status_body(name: str, desired: dict[str, Any], live: dict[str, Any] | None)
         status["holders"] = held
     return {
         "apiVersion": API_VERSION,
-        "kind": NODE_PCI_DEVICE.kind,
+        "kind": NODE_PCI_DEVICE_KIND,
         "metadata": {"name": name},
         "status": {**status, "conditions": conditions},
     }

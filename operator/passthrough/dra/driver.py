@@ -39,7 +39,7 @@ from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.bound import Bound
 from passthrough.api.labels import NODE_LABEL
-from passthrough.api.models import NODE_PCI_DEVICE
+from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
 from passthrough.dra import cdi
 from passthrough.dra import slice as dra_slice
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
@@ -107,7 +107,7 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         self.bind_timeout = bind_timeout
         self.binder = Binder(write_deadline, on_finished=self.trigger)
         self.bound = Bound(self.plugin_dir)
-        self.devices = Mirror(Custom(api, NODE_PCI_DEVICE.plural), label_selector=f"{NODE_LABEL}={node_name}")
+        self.devices = Mirror(Custom(api, NODE_PCI_DEVICE_PLURAL), label_selector=f"{NODE_LABEL}={node_name}")
         self.slices = Mirror(Custom(api, dra_slice.PLURAL, group="resource.k8s.io", version="v1"),
                              label_selector=f"{NODE_LABEL}={node_name}")  # fmt: skip
         self.inventory: dict[str, dra_slice.Published] = {}  # slice device name -> what it is, as last published

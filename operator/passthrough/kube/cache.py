@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
-from passthrough.api.models import GROUP, VERSION
+from passthrough.api.names import GROUP, VERSION
 from passthrough.kube.client import ApiError, session_of
 from passthrough.kube.custom import Custom
 from passthrough.kube.watch import watch_events

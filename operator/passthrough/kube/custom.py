@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from passthrough.api.models import GROUP, VERSION
+from passthrough.api.names import GROUP, VERSION
 from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
 from passthrough.kube.watch import watch_events
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import aiohttp
 
-from passthrough.api.models import GROUP, VERSION
+from passthrough.api.names import GROUP, VERSION
 from passthrough.kube.client import ApiError, session_of
 from passthrough.kube.connect import CannotStart
 
