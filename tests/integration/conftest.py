@@ -10,6 +10,7 @@ import pytest_asyncio
 from kubernetes_asyncio import client
 
 from e2e import chart, support
+from e2e.cluster import free_ports
 from e2e.processes import OperatorProcess
 from passthrough.kube.connect import connect
 
@@ -56,7 +57,11 @@ def helm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def operator(cluster, tmp_path_factory):
-    proc = OperatorProcess(cluster, tmp_path_factory.mktemp("operator") / "operator.log", "--not-found-grace=4s")
+    # Its metrics on loopback: a test that asserts "no write" waits for a reconcile to have run.
+    port = free_ports(1)[0]
+    proc = OperatorProcess(cluster, tmp_path_factory.mktemp("operator") / "operator.log", "--not-found-grace=4s",
+                           f"--metrics-port={port}", "--metrics-addr=127.0.0.1")  # fmt: skip
+    proc.metrics_port = port
     proc.start()
     yield proc
     proc.stop()

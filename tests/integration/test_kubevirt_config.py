@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from pathlib import Path
 
@@ -14,11 +13,13 @@ from e2e import fakesysfs, support
 from passthrough.agent.loop import Agent
 from passthrough.kube.custom import Custom
 from passthrough.pci.pciids import PciIds
+from tests.integration.test_metrics import scrape, scrape_when
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
 DEFAULTS = yaml.safe_load((REPO / "tests/data/cozystack-gpu-passthrough-defaults.yaml").read_text())["pciHostDevices"]
 MERGE = "application/merge-patch+json"
+SYNCS = "passthrough_operator_reconcile_duration_seconds_count"
 
 
 @pytest.fixture
@@ -95,19 +96,25 @@ async def test_first_apply_writes_our_fields_and_leaves_everything_else(api, kin
     assert status["featureGates"] == ["HostDevices"] and status["pciHostDevices"] == len(DEFAULTS)
 
 
-async def test_an_event_that_changes_nothing_writes_nothing(api, kinds, config, kubevirt_ns):
+async def test_an_event_that_changes_nothing_writes_nothing(api, kinds, config, kubevirt_ns, operator):
     configs, kubevirts = kinds
     await support.create_kubevirt(api, kubevirt_ns)
     await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}})
     await wait_config(configs, lambda o: condition(o, "Applied").get("status") == "True", "Applied=True")
     await support.quiet(api, ("kubevirts", "passthroughconfigs"), settle=1)
     before = await support.write_counts(api)
+
+    async def synced_after(patch) -> None:
+        """`patch`, then until the operator has synced the CR since (its kubevirt reconciles, in its metrics)."""
+        syncs = (await scrape(operator.metrics_port))(SYNCS, kind="kubevirt")
+        await patch
+        await scrape_when(operator.metrics_port, lambda s: s(SYNCS, kind="kubevirt") > syncs, "a sync of the KubeVirt CR")
+
     # Events without news: an annotation on the config, a label on the CR.
-    await client.CustomObjectsApi(api).patch_cluster_custom_object(
-        "passthrough.io", "v1alpha1", "passthroughconfigs", "cluster", {"metadata": {"annotations": {"touched": "1"}}}, _content_type=MERGE)
-    await client.CustomObjectsApi(api).patch_namespaced_custom_object(
-        "kubevirt.io", "v1", kubevirt_ns, "kubevirts", "kubevirt", {"metadata": {"labels": {"touched": "1"}}}, _content_type=MERGE)
-    await asyncio.sleep(2)
+    await synced_after(client.CustomObjectsApi(api).patch_cluster_custom_object(
+        "passthrough.io", "v1alpha1", "passthroughconfigs", "cluster", {"metadata": {"annotations": {"touched": "1"}}}, _content_type=MERGE))
+    await synced_after(client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        "kubevirt.io", "v1", kubevirt_ns, "kubevirts", "kubevirt", {"metadata": {"labels": {"touched": "1"}}}, _content_type=MERGE))
     after = await support.write_counts(api)
     # Our two patches are the only writes (deletions are earlier tests' namespaces being emptied).
     changes = support.writes_between(before, after, "kubevirts", "passthroughconfigs", verbs=support.CHANGE_VERBS)
@@ -151,14 +158,15 @@ async def test_a_conflicting_duplicate_is_refused_and_the_last_good_config_stays
     message = condition(refused, "Valid")["message"]
     assert "nvidia.com/GA102GL_A10" in message and "nvidia.com/A10" in message  # both entries named
     assert "last good configuration stays applied" in message
-    await asyncio.sleep(1)
-    kv = await kubevirts.get("kubevirt", kubevirt_ns)
-    assert pci_list(kv) == pci_list(good)  # nothing torn down
+
     async def warned():  # Events follow once the operator's work queue has settled (10 s at most)
         events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
         return any(e.type == "Warning" and e.reason == "InvalidValues" for e in events.items)
 
     await support.wait_for(warned, 15, what="a Warning InvalidValues on the config")
+    # The sync that refused the values is done (its Event came after it): nothing was torn down.
+    kv = await kubevirts.get("kubevirt", kubevirt_ns)
+    assert pci_list(kv) == pci_list(good)
 
 
 async def test_replacing_the_defaults_with_nothing_removes_the_block_and_warns(api, kinds, config, kubevirt_ns):
@@ -172,6 +180,26 @@ async def test_replacing_the_defaults_with_nothing_removes_the_block_and_warns(a
     assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices", "Snapshot"]
     status = await wait_config(configs, lambda o: condition(o, "NodesMatchAllowList").get("reason") == "NoAllowList", "warned")
     assert any("checks no device names" in w for w in status["status"]["warnings"])
+
+
+async def test_an_empty_allow_list_removes_a_block_written_by_hand(api, kinds, config, kubevirt_ns, cluster):
+    configs, kubevirts = kinds
+    await support.create_kubevirt(api, kubevirt_ns)
+    await config({"kubevirt": {"name": "kubevirt", "namespace": kubevirt_ns}, "gpu": {"replaceDefaults": True}})
+    await wait_config(configs, lambda o: condition(o, "NodesMatchAllowList").get("reason") == "NoAllowList", "no allow-list")
+    # An admin adds a block by hand (another field manager): the values say there is none.
+    cluster.kubectl("patch", "kubevirt", "kubevirt", "-n", kubevirt_ns, "--type=merge", "-p",
+                    '{"spec":{"configuration":{"permittedHostDevices":{"pciHostDevices":[{"pciVendorSelector":"10DE:2236","resourceName":"nvidia.com/mine"}]}}}}')  # fmt: skip
+    kv = await wait_kubevirt(kubevirts, kubevirt_ns, lambda o: "permittedHostDevices" not in configuration(o), "hand-added block removed")
+    assert configuration(kv)["developerConfiguration"]["featureGates"] == ["HostDevices", "Snapshot"]  # nothing else touched
+    status = await wait_config(configs, lambda o: "was removed" in condition(o, "NodesMatchAllowList").get("message", ""), "said so")
+    assert condition(status, "NodesMatchAllowList")["reason"] == "NoAllowList"
+
+    async def warned():
+        events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector="involvedObject.name=cluster")
+        return any(e.type == "Warning" and e.reason == "AllowListRemoved" and "1 pciHostDevices" in e.message for e in events.items)
+
+    await support.wait_for(warned, 15, what="a Warning AllowListRemoved on the config")
 
 
 async def test_extra_feature_gates_come_and_go_while_hand_added_ones_stay(api, kinds, config, kubevirt_ns):

@@ -11,6 +11,7 @@ from passthrough.controller.lifecycle import Device, NodeDevice
 from passthrough.kubevirt.allowlist import AssignedDevice
 from passthrough.kubevirt.mismatches import Advertised
 from passthrough.kubevirt.render import GATES_ANNOTATION
+from passthrough.pci.naming import node_pci_device_name
 
 NOW = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
 
@@ -140,11 +141,12 @@ def test_a_device_in_two_namespaces_during_a_reassignment_is_one_entry():
     assert assigned_devices(both, live) == [AssignedDevice("pci-a", "10de", "2236")]
 
 
-def pooled_gpu(name: str, ready: str, reason: str) -> NodeDevice:
+def pooled_gpu(node: str, ready: str, reason: str, name: str = "") -> NodeDevice:
+    attributes = {"pciAddress": "0000:3b:00.0", "vendorID": "10de", "deviceID": "2236", "nodeName": node}
+    name = name or node_pci_device_name("0000:3b:00.0", "10de", "2236", node)
     return NodeDevice.of({
         "metadata": {"name": name, "uid": name},
-        "status": {"resourceName": "nvidia.com/GA102GL_A10", "mode": "Pool",
-                   "attributes": {"pciAddress": "0000:3b:00.0", "vendorID": "10de", "deviceID": "2236", "nodeName": "n1"},
+        "status": {"resourceName": "nvidia.com/GA102GL_A10", "mode": "Pool", "attributes": attributes,
                    "conditions": [{"type": "Ready", "status": ready, "reason": reason}]},
     })  # fmt: skip
 
@@ -152,8 +154,14 @@ def pooled_gpu(name: str, ready: str, reason: str) -> NodeDevice:
 def test_only_ready_pooled_gpus_count_as_advertised():
     devices = [pooled_gpu("ready", "True", "Ready"), pooled_gpu("busy", "False", "NotReady"),
                pooled_gpu("gone", "False", "NotFound"), pooled_gpu("unbound", "False", "VfioNotLoaded")]  # fmt: skip
-    assert [a.resource_name for a in advertised(devices)] == ["nvidia.com/GA102GL_A10"]
-    assert len(advertised(devices)) == 1
+    assert [(a.node, a.resource_name) for a in advertised(devices)] == [("ready", "nvidia.com/GA102GL_A10")]
+
+
+def test_an_object_not_named_by_its_attributes_does_not_count_as_advertised():
+    # Another node's name taken (an agent that writes what it should not), or a hand-made object.
+    taken = node_pci_device_name("0000:3b:00.0", "10de", "2236", "other-node")
+    devices = [pooled_gpu("n1", "True", "Ready", name=taken), pooled_gpu("n2", "True", "Ready", name="pci-by-hand")]
+    assert advertised(devices) == []
 
 
 # -- one assignment KubeVirt cannot take ------------------------------------------------------
@@ -304,17 +312,26 @@ def test_the_managed_fields_parser_reads_a_real_kubevirt_cr():
     assert KubeVirtView.of({**sample, "metadata": {**sample["metadata"], "managedFields": theirs}}).our_gates is None
 
 
-def test_an_empty_allow_list_leaves_a_block_another_manager_wrote_and_says_so():
-    # The operator writes only its own fields (server-side apply): a permittedHostDevices block an
-    # admin or a GitOps tool wrote stays theirs. The config must not claim nothing is checked then.
+def test_an_empty_allow_list_removes_a_block_another_manager_wrote_and_says_so():
+    # DESIGN: an empty result removes the block. An apply lets go only of what our field manager
+    # owns, so a block an admin or a GitOps tool wrote is removed by its own patch, and warned of.
     hand_added = ({"pciVendorSelector": "10DE:2236", "resourceName": "nvidia.com/GA102GL_A10"},)
     live = KubeVirtView("kubevirt", "kubevirt", "", hand_added, None, ("Snapshot",), frozenset())
     plan = plan_sync(config({"gpu": {"replaceDefaults": True}}), live, [], [], None, NOW)
     assert "permittedHostDevices" not in plan.apply["spec"]["configuration"]
+    assert plan.remove_block == "1 pciHostDevices"
+    assert [(t, r) for t, r, _ in plan.events if r == "AllowListRemoved"] == [("Warning", "AllowListRemoved")]
     matched = next(c for c in status_after(plan)["conditions"] if c["type"] == "NodesMatchAllowList")
-    assert (matched["status"], matched["reason"]) == ("False", "AllowListNotOurs")
-    assert "another field manager wrote (1 pciHostDevices)" in matched["message"]
+    assert (matched["status"], matched["reason"]) == ("False", "NoAllowList")
+    assert "another field manager wrote, 1 pciHostDevices, was removed" in matched["message"]
+    # Invalid values tear nothing down: the block stays, and the status says why.
+    bad = plan_sync(config({"gpu": {"replaceDefaults": True, "permittedHostDevices": {"pciHostDevices": [{"x": 1}]}}}),
+                    live, [], [], plan.rendered, NOW)  # fmt: skip
+    assert bad.problems and not bad.remove_block
+    kept = next(c for c in status_after(bad)["conditions"] if c["type"] == "NodesMatchAllowList")
+    assert kept["reason"] == "AllowListNotOurs"
     # Ours, being let go of by this very apply: the usual warning that nothing is checked.
     ours = dataclasses.replace(live, owned=frozenset({"pciHostDevices"}))
     plan = plan_sync(config({"gpu": {"replaceDefaults": True}}), ours, [], [], None, NOW)
     assert next(c for c in status_after(plan)["conditions"] if c["type"] == "NodesMatchAllowList")["reason"] == "NoAllowList"
+    assert plan.remove_block == ""  # our apply lets go of it

@@ -16,7 +16,7 @@ from typing import Any
 
 from passthrough.api.models import API_VERSION, CONFIG_NAME, PASSTHROUGH_CONFIG
 from passthrough.api.conditions import Cond, condition
-from passthrough.controller.lifecycle import Device, NodeDevice
+from passthrough.controller.lifecycle import Device, NodeDevice, expected_name
 from passthrough.kube.custom import OPERATOR_MANAGER
 from passthrough.pci.naming import exclusive_resource_name
 from passthrough.kubevirt.allowlist import AssignedDevice
@@ -151,13 +151,16 @@ def advertised(node_devices: Iterable[NodeDevice]) -> list[Advertised]:
     """The pool resources the nodes really advertise: pooled GPUs that are Ready.
 
     A GPU that is not eligible, could not be bound or is gone from its node is served by no
-    device plugin, so it cannot stand for its name in the mismatch report.
+    device plugin, so it cannot stand for its name in the mismatch report; nor can an object
+    whose name is not the one its attributes give (written by hand, or by an agent that took a
+    name another node's device will get: the operator flags it and hands it to no one).
     """
     return [
         Advertised(d.node_name, d.attributes.get("pciAddress", ""), d.attributes.get("vendorID", ""),
                    d.attributes.get("deviceID", ""), d.resource_name)
         for d in node_devices
         if d.mode == "Pool" and d.resource_name and not d.deleting and d.ready is not None and d.ready.status == "True"
+        and expected_name(d) == d.name
     ]
 
 
@@ -209,6 +212,7 @@ def kubevirt_target(spec: Mapping[str, Any]) -> tuple[str, str]:
 @dataclass
 class SyncPlan:
     apply: dict[str, Any] | None = None  # KubeVirt CR apply body
+    remove_block: str = ""  # another manager's permittedHostDevices to remove ("1 pciHostDevices"), "" for none
     status: dict[str, Any] | None = None  # PassthroughConfig status apply body
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     rendered: Rendered | None = None  # the configuration now good (to keep when later values are bad)
@@ -335,14 +339,27 @@ def plan_sync(
     not_advertised, not_permitted = mismatches(pci, advertised)
     not_advertised, unused_default_models = split_default_models(not_advertised)
     plan.not_permitted, plan.not_advertised = len(not_permitted), len(not_advertised)
-    theirs = _block_of_another_manager(kubevirt) if rendered is not None and not pci and not rendered.mediated_devices else None
-    if theirs:
+    theirs = _block_of_another_manager(kubevirt) if rendered is not None and not pci and not rendered.mediated_devices else ""
+    if theirs and problems:
+        # Invalid values tear nothing down, a block someone else wrote included.
         conditions["NodesMatchAllowList"] = Cond(
             "False", "AllowListNotOurs",
-            f"The values' allow-list is empty, but KubeVirt {target} has a permittedHostDevices block another field manager "
-            f"wrote ({theirs}), and KubeVirt checks device names against it. The operator writes only its own fields and "
-            "leaves it: remove it where it was written (kubectl edit, your GitOps repository), or list the devices in "
-            "gpu.permittedHostDevices.",
+            f"KubeVirt {target} has a permittedHostDevices block another field manager wrote ({theirs}), and KubeVirt checks "
+            "device names against it; it stays while the values are invalid, and goes once valid values render an empty "
+            "allow-list.",
+        )
+    elif theirs:
+        # The allow-list is the values' (DESIGN: an empty result removes the block): a hand edit of
+        # it is reverted like any other, by removing what another field manager added.
+        plan.remove_block = theirs
+        plan.events.append(("Warning", "AllowListRemoved",
+                            f"Removed the permittedHostDevices block another field manager wrote to KubeVirt {target} ({theirs}): "
+                            "the values' allow-list is empty, so KubeVirt now checks no device names at all. List devices in "
+                            "gpu.permittedHostDevices to permit them; a block written by hand or by GitOps is removed again."))  # fmt: skip
+        conditions["NodesMatchAllowList"] = Cond(
+            "False", "NoAllowList",
+            f"permittedHostDevices is empty, so KubeVirt checks no device names at all (a block another field manager "
+            f"wrote, {theirs}, was removed: the allow-list is the values').",
         )
     elif rendered is not None and not pci:
         conditions["NodesMatchAllowList"] = Cond(

@@ -21,7 +21,7 @@ from passthrough.controller import kubevirt_sync, lifecycle, metrics
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.kube.custom import OPERATOR_MANAGER, Custom
 from passthrough.kube.events import EventRecorder
-from passthrough.kube.client import ApiError
+from passthrough.kube.client import MERGE_PATCH, ApiError
 from passthrough.kubevirt.render import Rendered
 from passthrough.pci.naming import exclusive_resource_name
 
@@ -356,6 +356,19 @@ class Reconciler:
                      written["metadata"]["namespace"], written["metadata"]["name"])
             expectations.append(("kubevirt", written["metadata"]["namespace"], written["metadata"]["name"],
                                   written["metadata"]["resourceVersion"]))
+        if plan.remove_block and kubevirt is not None:
+            # Another manager's block: a merge patch that removes it, whoever owns it (an apply
+            # lets go only of what this manager owns).
+            with metrics.write("kubevirts", "patch"):
+                # As of the version decided on: a block changed since is decided on again (409, retried).
+                precondition = {"resourceVersion": kubevirt.resource_version} if kubevirt.resource_version else {}
+                written = await self.kubevirts.session.request(
+                    "PATCH", self.kubevirts.path(kubevirt.name, kubevirt.namespace), content_type=MERGE_PATCH,
+                    body={"metadata": precondition, "spec": {"configuration": {"permittedHostDevices": None}}})  # fmt: skip
+            self.writes += 1
+            log.info("removed the permittedHostDevices block another manager wrote to KubeVirt %s/%s (%s): the values' "
+                     "allow-list is empty", kubevirt.namespace, kubevirt.name, plan.remove_block)  # fmt: skip
+            expectations.append(("kubevirt", kubevirt.namespace, kubevirt.name, written["metadata"]["resourceVersion"]))
         if plan.status is not None:
             with metrics.write("passthroughconfigs/status", "apply"):
                 written = await self.configs.apply(plan.status, OPERATOR_MANAGER, status=True)
