@@ -8,7 +8,8 @@ operator and the agent as their own processes over the fixture GPU node of the i
 (two A10s with their audio functions, `e2e.fakesysfs.gpu_node`), answered by the simulated
 kernel; the node in GPU passthrough mode. What each figure means:
 
-- agent RSS with plugins: psutil's VmRSS of `passthrough agent` (and the peak, VmHWM), serving
+- agent RSS with plugins: psutil's VmRSS of `passthrough agent` (and the peak, VmHWM; its USS,
+  what it alone holds, and PSS, its share of what it maps with others), serving
   the pool (`nvidia.com/GA102GL_A10`, two GPUs) to the real kubelet, 3 s after the pool showed
   in allocatable; then again after the trials below (an exclusive plugin came and went
   --trials times, pods were admitted).
@@ -56,13 +57,14 @@ SECOND = "0000:af:00.0"
 SETTLE = 3.0
 
 
-def rss(agent: AgentProcess) -> tuple[float, float]:
-    """The agent's VmRSS and VmHWM, MiB."""
+def rss(agent: AgentProcess) -> str:
+    """The agent's VmRSS and VmHWM, and its USS (pages no other process maps: what stopping it
+    frees) and PSS (shared pages split between the processes that map them), MiB."""
     pid = agent.proc.pid
-    now = psutil.Process(pid).memory_info().rss / 2**20
+    memory = psutil.Process(pid).memory_full_info()
     peak = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                 if line.startswith("VmHWM:")) / 1024  # fmt: skip
-    return now, peak
+    return f"{memory.rss / 2**20:.1f} MiB (peak {peak:.1f} MiB; USS {memory.uss / 2**20:.1f} MiB, PSS {memory.pss / 2**20:.1f} MiB)"
 
 
 def spread(samples: list[float]) -> str:
@@ -85,8 +87,7 @@ async def bench(local, root: Path, trials: int) -> None:
             await support.wait_resources(core, node.node_name, {POOL: "2"}, agent, timeout=60)
             names = await support.device_names(api, node.node_name)
             await asyncio.sleep(SETTLE)
-            now, peak = rss(agent)
-            print(f"agent RSS with plugins:   {now:.1f} MiB (peak {peak:.1f} MiB), pool of 2 GPUs served to the real kubelet")
+            print(f"agent RSS with plugins:   {rss(agent)}, pool of 2 GPUs served to the real kubelet")
 
             pool = PluginStream(node.device_plugin_dir / socket_name(POOL, node.device_plugin_dir))
             reader = asyncio.create_task(pool.run())
@@ -114,8 +115,7 @@ async def bench(local, root: Path, trials: int) -> None:
                 await support.wait_resources(core, node.node_name, {resource: "0", POOL: "2"}, agent, timeout=60)
             print(f"unassigned, pod deleted, to back in the pool (plugin's ListAndWatch): {spread(to_pool)}")
             print(f"                         to status.holders empty:                   {spread(to_status)}")
-            now, peak = rss(agent)
-            print(f"agent RSS after the trials: {now:.1f} MiB (peak {peak:.1f} MiB)")
+            print(f"agent RSS after the trials: {rss(agent)}")
             reader.cancel()
     finally:
         if agent is not None:

@@ -9,7 +9,6 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from passthrough.api import chart_values, crds
 
 # Exit codes: 0 ok, 1 a runtime failure (cluster unreachable, ...), 2 bad usage or input.
 
@@ -69,23 +68,6 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
         "--kubeconfig", type=_kubeconfig_file, metavar="FILE", help="kubeconfig (default: in-cluster, else $KUBECONFIG)"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-
-
-def _cmd_crds(args: argparse.Namespace) -> int:
-    if args.out:
-        for path in crds.write_crds(Path(args.out)):
-            print(path)
-        return 0
-    sys.stdout.write("---\n".join(crds.render_yaml(c) for c in crds.all_crds()))
-    return 0
-
-
-def _cmd_values_schema(args: argparse.Namespace) -> int:
-    if args.out:
-        print(chart_values.write_values_schema(Path(args.out)))
-        return 0
-    sys.stdout.write(chart_values.render(chart_values.values_schema()))
-    return 0
 
 
 def _version() -> str:
@@ -243,11 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("crds", help="print the CustomResourceDefinitions (or write them to --out)")
     p.add_argument("--out", metavar="DIR", help="write one manifest per CRD into DIR")
-    p.set_defaults(func=_cmd_crds)
+    p.set_defaults(func=_lazy("passthrough.api.commands", "crds"))
 
     p = sub.add_parser("values-schema", help="print the Helm chart's values.schema.json (or write it to --out)")
-    p.add_argument("--out", metavar="FILE", help=f"write it to FILE (the chart's is {chart_values.VALUES_SCHEMA})")
-    p.set_defaults(func=_cmd_values_schema)
+    p.add_argument("--out", metavar="FILE", help="write it to FILE (the chart's is charts/passthrough-operator/values.schema.json)")
+    p.set_defaults(func=_lazy("passthrough.api.commands", "values_schema"))
     return parser
 
 

@@ -54,3 +54,19 @@ def test_the_operator_starts_kopf_and_its_handlers_without_kubernetes_asyncio():
         "from passthrough.admission import webhook\n"
     )
     assert "kopf" in modules and "kubernetes_asyncio" not in modules
+
+
+def test_the_command_line_loads_pydantic_only_for_the_commands_that_need_it():
+    # `passthrough agent` starts from here: the parser and the agent's modules, no schema.
+    modules = loaded("from passthrough import cli\ncli.build_parser()\nimport passthrough.agent.main")
+    assert "passthrough" in modules and "pydantic" not in modules and "yaml" not in modules
+
+
+def test_the_values_schema_help_names_the_charts_file():
+    from passthrough import cli
+    from passthrough.api.chart_values import VALUES_SCHEMA
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command" or getattr(a, "choices", None) and "values-schema" in a.choices)
+    out = next(a for a in sub.choices["values-schema"]._actions if a.dest == "out")
+    assert str(VALUES_SCHEMA) in out.help
