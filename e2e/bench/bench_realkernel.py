@@ -13,7 +13,8 @@
   two-function groups (display + audio, a dual-port NIC). p50 and max over --rounds.
 - to Unhealthy: from the rig's monitor command (the guest's clock read just before it) to the
   first ListAndWatch update, read in the guest over the plugin's socket, without the device
-  Healthy: an injected AER error (`pcie_aer_inject_error`, the NIC behind its root port) and a
+  Healthy: an injected AER error (`pcie_aer_inject_error` on the rig's `aer` slot, virtio-pci with
+  aer=on behind its root port: QEMU's e1000e never sends its errors upstream) and a
   device taken away (`device_del` of the served pci-testdev). Once each: device_del is for good.
 
 Everything runs under TCG on this machine's busy cores; the figures are the rig's, not a real
@@ -128,8 +129,8 @@ def main() -> int:
                 print(f"    give-back to its driver: {_figures(give_backs)}")
             monitor = guest.monitor
             print("\nmonitor command to Unhealthy in ListAndWatch:")
-            aer = to_unhealthy(node, "nic", namespace, lambda: monitor.hmp("pcie_aer_inject_error nic-0 POISON_TLP"))
-            print(f"  AER error injected (nic):     {aer}")
+            aer = to_unhealthy(node, "aer", namespace, lambda: monitor.hmp("pcie_aer_inject_error aer-0 POISON_TLP"))
+            print(f"  AER error injected (aer):     {aer}")
             gone = to_unhealthy(node, "testdev", namespace, lambda: monitor.execute("device_del", id="testdev-0"))
             print(f"  surprise removal (device_del): {gone}")
         finally:

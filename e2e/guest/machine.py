@@ -75,6 +75,11 @@ EDU = Function("edu", "1234", "11e8", "00ff00", "")
 TESTDEV = Function("pci-testdev", "1b36", "0005", "00ff00", "")
 DISPLAY = Function("bochs-display", "1234", "1111", "038000", "bochs-drm")
 AUDIO = Function("ich9-intel-hda", "8086", "293e", "040300", "snd_hda_intel")
+# A function whose AER errors reach the guest's AER driver, for health: QEMU's e1000e has an AER
+# capability but its Device Control error-reporting enables are read-only zero, so an error
+# injected there is logged in the device and never sent upstream (tried: counters stay 0).
+# virtio-pci with aer=on has both, and its modern ID, not a legacy one.
+AER_DEVICE = Function("virtio-rng-pci", "1af4", "1044", "00ff00", "virtio-pci", "aer=on,disable-legacy=on")
 
 TOPOLOGY: tuple[Slot, ...] = (
     Slot("nic", (E1000E,)),
@@ -83,6 +88,7 @@ TOPOLOGY: tuple[Slot, ...] = (
     Slot("testdev", (TESTDEV,)),
     Slot("gpu", (DISPLAY, AUDIO)),  # a GPU-like pair: display + HDMI audio, one group
     Slot("dualnic", (E1000E, E1000E)),  # a dual-port NIC, one group
+    Slot("aer", (AER_DEVICE,)),  # last: the slots before it keep their buses
 )
 ROOT_PORT_SLOT = 0x10  # the first root port's slot on bus 00; SeaBIOS numbers their buses 1, 2, ...
 NVME_DISK_MIB = 64
