@@ -9,6 +9,7 @@ tokens, not as pods.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -55,12 +56,24 @@ def template(helm: Helm, release: str, namespace: str, *flags: str) -> list[dict
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-def webhook_configuration(helm: Helm, serving) -> dict:
+def webhook_configuration(helm: Helm, serving, *flags: str) -> dict:
     """The chart's ValidatingWebhookConfiguration, calling `serving` (an
-    `e2e.processes.WebhookServing` on 127.0.0.1) instead of the operator's Service."""
-    objects = template(helm, "passthrough", "passthrough-system", "--show-only=templates/webhook.yaml")
+    `e2e.processes.WebhookServing` on 127.0.0.1) instead of the operator's Service; `flags`
+    for helm (`--set=agent.devicePlugin.dra=true` adds the DRA webhooks)."""
+    objects = template(helm, "passthrough", "passthrough-system", "--show-only=templates/webhook.yaml", *flags)
     [configuration] = [o for o in objects if o["kind"] == "ValidatingWebhookConfiguration"]
     return serving.point(configuration)
+
+
+@contextlib.contextmanager
+def webhooks_registered(cluster, configuration: dict) -> Iterator[dict]:
+    """`configuration` (from `webhook_configuration`) created, and deleted after: the cluster is
+    shared, and no later test may meet a webhook whose operator is gone."""
+    cluster.kubectl("create", "-f", "-", input=json.dumps(configuration))
+    try:
+        yield configuration
+    finally:
+        cluster.kubectl("delete", "validatingwebhookconfiguration", configuration["metadata"]["name"], check=False)
 
 
 def access(objects: list[dict]) -> list[dict]:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from e2e.cluster import _die_with_parent, free_ports
@@ -127,6 +128,17 @@ class OperatorProcess:
 
     def output(self) -> str:
         return self.log_path.read_text()
+
+
+@contextlib.contextmanager
+def running(operator: OperatorProcess) -> Iterator[OperatorProcess]:
+    """`operator` started, then stopped; what it logged must hold no Traceback."""
+    operator.start()
+    try:
+        yield operator
+    finally:
+        operator.stop()
+    assert "Traceback" not in operator.output(), operator.output()[-5000:]
 
 
 class AgentProcess:

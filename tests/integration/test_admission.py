@@ -25,7 +25,7 @@ from kubernetes_asyncio import client
 
 from e2e import chart, support
 from e2e.identities import user_kubeconfig
-from e2e.processes import OperatorProcess, WebhookServing
+from e2e.processes import OperatorProcess, WebhookServing, running
 from passthrough.admission import webhook
 from passthrough.kube.custom import Custom
 
@@ -46,11 +46,8 @@ def serving(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def operator(cluster, serving, tmp_path_factory):
-    proc = OperatorProcess(cluster, tmp_path_factory.mktemp("operator") / "operator.log", webhook=serving)
-    proc.start()
-    yield proc
-    proc.stop()
-    assert "Traceback" not in proc.output(), proc.output()[-5000:]
+    with running(OperatorProcess(cluster, tmp_path_factory.mktemp("operator") / "operator.log", webhook=serving)) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +55,8 @@ def webhooks(cluster, helm, serving, operator):
     """The chart's ValidatingWebhookConfiguration, calling the operator on 127.0.0.1."""
     configuration = chart.webhook_configuration(helm, serving)
     assert {w["name"] for w in configuration["webhooks"]} == set(HOOK.values())
-    cluster.kubectl("create", "-f", "-", input=json.dumps(configuration))
-    yield configuration
-    # The cluster is shared: no later test may meet a webhook whose operator is gone.
-    cluster.kubectl("delete", "validatingwebhookconfiguration", configuration["metadata"]["name"], check=False)
+    with chart.webhooks_registered(cluster, configuration):
+        yield configuration
 
 
 # -- tenants and their devices ------------------------------------------------------------------

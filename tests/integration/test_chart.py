@@ -701,3 +701,26 @@ def test_dra_mode_gives_the_agent_the_kubelets_plugin_directories_cdi_and_its_sl
     [role] = [o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("-agent-dra")]
     assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]} == {
         (("resourceslices",), ("get", "list", "watch", "create", "patch")), (("resourceclaims",), ("get",))}
+
+
+def test_dra_mode_sends_claims_allocations_and_admin_access_to_the_operators_webhooks(helm, tmp_path):
+    from passthrough.admission import webhook
+    from passthrough.dra.slice import DRIVER
+
+    def hooks(*flags: str) -> dict[str, dict]:
+        [configuration] = [o for o in template(helm, "p", "ns", "--show-only=templates/webhook.yaml", *flags)
+                           if o["kind"] == "ValidatingWebhookConfiguration"]  # fmt: skip
+        return {w["name"]: w for w in configuration["webhooks"]}
+
+    assert not [name for name in hooks() if "resourceclaim" in name]  # opt-in, with DRA mode
+    found = hooks(values_file(tmp_path / "v.yaml", {"agent": {"devicePlugin": {"dra": True}}}))
+    dra = {name: w for name, w in found.items() if "resourceclaim" in name}
+    assert {name: (w["clientConfig"]["service"]["path"], [r["resources"] for r in w["rules"]]) for name, w in dra.items()} == {
+        "resourceclaim-allocations.admission.passthrough.io": (f"/{webhook.CLAIM_ALLOCATION}", [["resourceclaims/status"]]),
+        "resourceclaims.admission.passthrough.io": (f"/{webhook.CLAIM}", [["resourceclaims"]]),
+        "resourceclaimtemplates.admission.passthrough.io": (f"/{webhook.CLAIM_TEMPLATE}", [["resourceclaimtemplates"]]),
+    }
+    # Only a status that allocates a device of the agent's driver is sent; fail closed.
+    allocation = dra["resourceclaim-allocations.admission.passthrough.io"]
+    assert f"r.driver == '{DRIVER}'" in allocation["matchConditions"][0]["expression"]
+    assert all(w["failurePolicy"] == "Fail" and w["matchPolicy"] == "Equivalent" for w in dra.values())

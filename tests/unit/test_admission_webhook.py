@@ -238,3 +238,76 @@ def test_kopfs_error_line_for_a_refusal_is_dropped_but_real_failures_are_kept():
 
 def test_the_handlers_read_the_indexes_by_the_ids_the_controller_registers():
     assert (rec.DEVICES, rec.VM_REFERENCES) == ("devices", "vm_references")
+
+
+# -- DRA: the allocation a claim's status names ---------------------------------------------
+
+
+def handed_gpu(namespace: str, address: str = "0000:af:00.0", node: str = "gpu-1") -> NodeDevice:
+    """A NodePCIDevice the operator handed to `namespace` (Assigned=True, the ref with its uid)."""
+    return NodeDevice.of({
+        "metadata": {"name": f"npci-{address}", "uid": "u"}, "spec": {"assignedNamespace": namespace},
+        "status": {"attributes": {"pciAddress": address, "nodeName": node, "iommuGroup": 21},
+                   "assignedNamespaceRef": {"name": namespace, "uid": NAMESPACE_UIDS[namespace]},
+                   "conditions": [{"type": "Assigned", "status": "True", "reason": "Assigned", "message": ""}]},
+    })  # fmt: skip
+
+
+def claim_kwargs(node_devices, status, old_status=None, gpu_nodes=()):
+    args = kwargs(node_devices=node_devices, name="vm-gpu", gpu_nodes={n: [True] for n in gpu_nodes})
+    args["memo"].node_devices.indexes[rec.DEVICES_BY_NODE] = {"gpu-1": [d.name for d in node_devices]}
+    return {**args, "status": status, "old": kopf.Body({"status": old_status}) if old_status is not None else None}
+
+
+def allocated(device: str = "pci-0000-af-00-0", driver: str = "pci.passthrough.io") -> dict:
+    return {"allocation": {"devices": {"results": [{"request": "gpu", "driver": driver, "pool": "gpu-1", "device": device}]}}}
+
+
+async def test_an_allocation_of_the_claims_own_device_is_admitted_and_another_namespaces_refused(caplog):
+    await webhook.validate_claim_allocation(**claim_kwargs([handed_gpu(NS)], allocated(), old_status={}))
+    with caplog.at_level(logging.INFO, logger="passthrough.admission.webhook"):
+        with pytest.raises(kopf.AdmissionError) as refused:
+            await webhook.validate_claim_allocation(**claim_kwargs([handed_gpu("team-b")], allocated(), old_status={}))
+    assert refused.value.code == 403
+    assert str(refused.value).startswith("ResourceClaim team-a/vm-gpu: device pci-0000-af-00-0 of node gpu-1 is not one")
+    assert "team-b" not in str(refused.value)  # the tenant is not told whose it is; the admin's log is
+    assert "handed out to team-b" in caplog.text
+
+
+async def test_a_status_write_that_keeps_the_allocation_or_names_other_drivers_is_not_judged():
+    # Not even the indexes are read: the kubelet's and the scheduler's other writes never wait.
+    memo = kopf.Memo()
+    memo.indexed = asyncio.Event()
+    args = {**claim_kwargs([handed_gpu("team-b")], allocated(), old_status=allocated()), "memo": memo}
+    await webhook.validate_claim_allocation(**args)
+    await webhook.validate_claim_allocation(**{**args, "status": allocated(driver="gpu.example.com"), "old": None})
+
+
+async def test_a_pool_gpu_is_admitted_only_on_a_node_in_gpu_mode():
+    pooled = NodeDevice.of({
+        "metadata": {"name": "npci-pool", "uid": "u"}, "spec": {},
+        "status": {"attributes": {"pciAddress": "0000:af:00.0", "nodeName": "gpu-1", "iommuGroup": 21}, "mode": "Pool",
+                   "resourceName": "nvidia.com/GA102GL_A10",
+                   "conditions": [{"type": "Ready", "status": "True", "reason": "Ready", "message": ""}]},
+    })  # fmt: skip
+    await webhook.validate_claim_allocation(**claim_kwargs([pooled], allocated(), old_status={}, gpu_nodes=["gpu-1"]))
+    with pytest.raises(kopf.AdmissionError):
+        await webhook.validate_claim_allocation(**claim_kwargs([pooled], allocated(), old_status={}))
+
+
+async def test_the_gpu_nodes_index_holds_only_nodes_in_gpu_mode():
+    assert await webhook.gpu_nodes_index(name="n", labels={"passthrough.io/gpu-passthrough": "true"}) == {"n": True}
+    assert await webhook.gpu_nodes_index(name="n", labels={"nvidia.com/gpu.workload.config": "vm-passthrough"}) == {"n": True}
+    assert await webhook.gpu_nodes_index(name="n", labels={}) == {}
+
+
+async def test_admin_access_on_a_claim_or_template_is_refused_and_a_malformed_one_is_not_a_traceback():
+    spec = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "passthrough-team-a", "adminAccess": True}}]}}
+    user = {"userinfo": {"username": "tenant"}, "meta": {}}
+    with pytest.raises(kopf.AdmissionError, match="asks for adminAccess to DeviceClass passthrough-team-a"):
+        await webhook.validate_claim(spec=spec, namespace=NS, name="peek", **user)
+    with pytest.raises(kopf.AdmissionError, match="ResourceClaimTemplate team-a/t"):
+        await webhook.validate_claim_template(spec={"spec": spec}, namespace=NS, name="t", userinfo={})
+    await webhook.validate_claim(spec={"devices": "x"}, namespace=NS, name="odd", **user)
+    await webhook.validate_claim_template(spec={"spec": 3}, namespace=NS, name="odd", userinfo={})
+    assert webhook.STATUS == "ResourceClaim status"  # the metrics' kind the integration test reads

@@ -17,9 +17,10 @@ from typing import Any
 import kopf
 
 from passthrough.controller import metrics
-from passthrough.admission import rules
+from passthrough.admission import claims, rules
+from passthrough.agent.plan import gpu_mode
 from passthrough.controller.lifecycle import Device, NodeDevice
-from passthrough.controller.reconciler import DEVICES, NAMESPACES, NODE_DEVICES
+from passthrough.controller.reconciler import DEVICES, DEVICES_BY_NODE, NAMESPACES, NODE_DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,12 @@ log = logging.getLogger(__name__)
 POD = "validate-pod"
 VM = "validate-vm"
 VMI = "validate-vmi"
+CLAIM = "validate-resourceclaim"
+CLAIM_TEMPLATE = "validate-resourceclaimtemplate"
+CLAIM_ALLOCATION = "validate-resourceclaim-allocation"
+# The Nodes in GPU passthrough mode, whose unassigned GPUs are the pool any claim may have.
+GPU_NODES = "gpu_nodes"
+STATUS = "ResourceClaim status"  # the metrics' kind of the allocation gate
 # The uid of each VM that lists a device: a VMI's owner reference is checked against it.
 VM_UIDS = "vm_uids"
 # Kopf fills its indexes before the first event handler runs, which sets `memo.indexed`; a
@@ -41,7 +48,7 @@ class _RefusalsAreNotErrors(logging.Filter):
     a refusal is the webhook doing its job, logged at INFO here with who asked. Real failures
     (exceptions) still reach the log."""
 
-    PREFIXES = tuple(f"Webhook {id!r} failed permanently:" for id in (POD, VM, VMI))
+    PREFIXES = tuple(f"Webhook {id!r} failed permanently:" for id in (POD, VM, VMI, CLAIM, CLAIM_TEMPLATE, CLAIM_ALLOCATION))
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info is None and str(record.msg).startswith(self.PREFIXES))
@@ -181,3 +188,46 @@ async def validate_pod(
     # A pod made by a controller has no name yet, only generateName.
     verdict = rules.judge_pod(namespace, name or meta.get("generateName", ""), requested, found, forged)
     _answer("Pod", verdict, [], userinfo)
+
+
+# -- DRA: claims stay in their namespace (admission/claims.py) ------------------------------
+
+
+@kopf.index("", "v1", "nodes", id=GPU_NODES)
+async def gpu_nodes_index(name: str, labels: kopf.Labels, **_: Any) -> dict[str, bool]:
+    return {name: True} if gpu_mode(dict(labels)) else {}
+
+
+@kopf.on.validate("resource.k8s.io", "v1", "resourceclaims", id=CLAIM_ALLOCATION, subresource="status", operations=["UPDATE"])
+async def validate_claim_allocation(
+    status: kopf.Status, old: kopf.Body | None, namespace: str, name: str, memo: kopf.Memo, namespaces: kopf.Index,
+    gpu_nodes: kopf.Index, warnings: list[str], userinfo: dict[str, Any], **_: Any,
+) -> None:  # fmt: skip
+    """The second gate: the allocation the scheduler (or anyone) writes into a claim's status."""
+    added = claims.added_results((old or {}).get("status"), dict(status))
+    if not added:
+        return
+    _, node_devices = await _indexed(memo, STATUS)
+    by_node = memo.node_devices.indexes[DEVICES_BY_NODE]
+    seen = _first(namespaces, namespace)  # (phase, uid, creationTimestamp)
+    reasons = {}
+    for result in added:
+        pool, device = str(result.get("pool") or ""), str(result.get("device") or "")
+        of_node = [d for key in by_node.get(pool, ()) for d in node_devices.get(key, ())]
+        why = claims.why_not(namespace, seen[1] if seen else "", pool, device, of_node, _first(gpu_nodes, pool) is not None)
+        if why:
+            log.info("device %s of node %s is not for claim %s/%s: %s", device, pool, namespace, name, why)
+            reasons[(pool, device)] = why
+    _answer(STATUS, claims.judge_allocation(namespace, name, added, reasons), warnings, userinfo)
+
+
+@kopf.on.validate("resource.k8s.io", "v1", "resourceclaims", id=CLAIM, operations=["CREATE", "UPDATE"])
+async def validate_claim(spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, userinfo: dict[str, Any], **_: Any) -> None:
+    verdict = claims.judge_claim("ResourceClaim", namespace, name or meta.get("generateName", ""), dict(spec).get("devices"))
+    _answer("ResourceClaim", verdict, [], userinfo)
+
+
+@kopf.on.validate("resource.k8s.io", "v1", "resourceclaimtemplates", id=CLAIM_TEMPLATE, operations=["CREATE", "UPDATE"])
+async def validate_claim_template(spec: kopf.Spec, namespace: str, name: str, userinfo: dict[str, Any], **_: Any) -> None:
+    devices = claims.template_devices(dict(spec))
+    _answer("ResourceClaimTemplate", claims.judge_claim("ResourceClaimTemplate", namespace, name, devices), [], userinfo)

@@ -1,0 +1,181 @@
+"""Claims stay in their namespace: the DRA admission decisions, as pure functions.
+
+DRA knows no device that belongs to a namespace: any claim whose selectors match a device of the
+agent's ResourceSlices may be allocated it. Two gates keep a claim of namespace X to X's devices:
+
+- the allocation the scheduler writes into a claim's status (`judge_allocation`): every device
+  of our driver it names must be one the operator handed out to X (decided from the
+  NodePCIDevices, never from what the slice or the claim says), or an unassigned GPU of a node
+  in GPU passthrough mode, which is the pool any namespace may claim by model. This gate holds
+  whatever selectors or DeviceClasses a tenant writes;
+- the claim itself (`judge_claim`): no `adminAccess` on a passthrough class (VFIO gives a device
+  to one VM, and admin access would let a claim reach a device another claim holds).
+
+`admission.webhook` feeds them from the operator's indexes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from passthrough.admission.rules import Verdict
+from passthrough.controller.lifecycle import NodeDevice
+from passthrough.dra.slice import DRIVER, device_name
+
+# The prefix of the DeviceClasses that select passthrough devices (the operator's per-namespace
+# classes are `passthrough-<namespace>`).
+CLASS_PREFIX = "passthrough-"
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+# -- the allocation ---------------------------------------------------------------------------
+
+
+def allocation(status: Any) -> Any:
+    return _mapping(status).get("allocation")
+
+
+def our_results(status: Any) -> list[Mapping[str, Any]]:
+    """The allocation results of a claim's status that name a device of our driver."""
+    results = _list(_mapping(_mapping(allocation(status)).get("devices")).get("results"))
+    return [r for r in results if isinstance(r, Mapping) and r.get("driver") == DRIVER]
+
+
+def added_results(old_status: Any, new_status: Any) -> list[Mapping[str, Any]]:
+    """What an update of a claim's status allocates of ours that it did not before. The kubelet
+    and the scheduler write the status for other reasons too (reservedFor, devices' health): an
+    update that leaves the allocation as it was is not judged again."""
+    if allocation(old_status) == allocation(new_status):
+        return []
+    before = [dict(r) for r in our_results(old_status)]
+    return [r for r in our_results(new_status) if dict(r) not in before]
+
+
+def handed_to(device: NodeDevice) -> tuple[str, str]:
+    """The namespace (name, uid) the operator has handed `device` out to, ("", "") while none: the
+    spec names it, Assigned=True, and status.assignedNamespaceRef records that namespace with its
+    uid (what the agent publishes in the slice, `agent.report.handed_out`, and the uid besides)."""
+    name, uid = device.handed_to
+    assigned = device.assigned is not None and device.assigned.status == "True"
+    if device.assigned_namespace and name == device.assigned_namespace and uid and assigned:
+        return name, uid
+    return "", ""
+
+
+def _gone(device: NodeDevice) -> bool:
+    return device.ready is not None and device.ready.reason == "NotFound"
+
+
+def _pooled(device: NodeDevice, node_devices: Sequence[NodeDevice], in_gpu_mode: bool) -> str:
+    """Why `device` is not a pool GPU any namespace may claim; "" when it is: unassigned, a GPU
+    the agent names a pool for, Ready, on a node in GPU passthrough mode, and no member of its
+    IOMMU group assigned (the group is the unit: `agent.plan`)."""
+    if device.assigned_namespace:
+        return "it is assigned to a namespace and not handed out to this one"
+    if not (device.mode == "Pool" and device.resource_name):
+        return "it is assigned to no namespace and is not a pool GPU"
+    if not in_gpu_mode:
+        return f"node {device.node_name} is not in GPU passthrough mode"
+    if device.ready is None or device.ready.status != "True":
+        return "it is not Ready"
+    group = device.attributes.get("iommuGroup", -1)
+    if any(d.assigned_namespace for d in node_devices if d.attributes.get("iommuGroup", -2) == group):
+        return f"a member of its IOMMU group {group} is assigned to a namespace"
+    return ""
+
+
+def why_not(
+    namespace: str, namespace_uid: str, pool: str, device: str, node_devices: Sequence[NodeDevice], in_gpu_mode: bool,
+) -> str:  # fmt: skip
+    """Why device `device` of pool `pool` (a node name: the slice's pool, `dra.slice`) may not go to
+    a claim of `namespace`, for the admin's log; "" when it may. `node_devices`: the node's
+    NodePCIDevices. A device the node reported twice (the same address with other IDs, the old one
+    NotFound) is judged by those still present."""
+    found = [d for d in node_devices if device_name(str(d.attributes.get("pciAddress") or "")) == device]
+    present = [d for d in found if not _gone(d)] or found
+    if not present:
+        return f"no NodePCIDevice of node {pool} is device {device}"
+    for candidate in present:
+        handed = handed_to(candidate)
+        if handed == ("", ""):
+            why = _pooled(candidate, node_devices, in_gpu_mode)
+            if why:
+                return f"NodePCIDevice {candidate.name}: {why}"
+        elif handed != (namespace, namespace_uid) or not namespace_uid:
+            return (f"NodePCIDevice {candidate.name} is handed out to {handed[0]} (uid {handed[1]}), not to "
+                    f"{namespace} (uid {namespace_uid or 'unknown'})")  # fmt: skip
+    return ""
+
+
+def judge_allocation(
+    namespace: str, name: str, results: Sequence[Mapping[str, Any]], reasons: Mapping[tuple[str, str], str],
+) -> Verdict:
+    """The allocation results of ours that an update of claim `namespace/name` adds
+    (`added_results`), given `reasons`: for each (pool, device) named, `why_not`'s answer. The
+    refusal, which the scheduler reports on the pod, says nothing of whose device it is."""
+    problems = []
+    for result in results:
+        pool, device = str(result.get("pool") or ""), str(result.get("device") or "")
+        if result.get("adminAccess"):
+            problems.append(f"device {device} of node {pool} is allocated with adminAccess, which passthrough devices "
+                            "do not allow (VFIO gives a device to one VM at a time)")  # fmt: skip
+        elif reasons.get((pool, device)):
+            problems.append(f"device {device} of node {pool} is not one the passthrough operator handed out to "
+                            f"namespace {namespace}")  # fmt: skip
+    if problems:
+        return Verdict(
+            f"ResourceClaim {namespace}/{name}: " + "; ".join(problems) + f". A claim of {namespace} may be allocated only "
+            f"the {DRIVER} devices assigned to {namespace} (DeviceClass {CLASS_PREFIX}{namespace}) or unassigned pool GPUs."
+        )
+    return Verdict()
+
+
+# -- the claim --------------------------------------------------------------------------------
+
+
+def requests(devices: Any) -> list[tuple[str, str, bool]]:
+    """(request name, deviceClassName, adminAccess) of each request of a claim's `spec.devices`,
+    and of each `firstAvailable` subrequest (which has no adminAccess)."""
+    found = []
+    for request in _list(_mapping(devices).get("requests")):
+        request = _mapping(request)
+        name = str(request.get("name") or "")
+        exactly = _mapping(request.get("exactly"))
+        if exactly:
+            found.append((name, str(exactly.get("deviceClassName") or ""), exactly.get("adminAccess") is True))
+        for sub in _list(request.get("firstAvailable")):
+            sub = _mapping(sub)
+            found.append((f"{name}/{sub.get('name') or ''}", str(sub.get("deviceClassName") or ""), False))
+    return found
+
+
+def template_devices(spec: Any) -> Any:
+    """A ResourceClaimTemplate's `spec.spec.devices`."""
+    return _mapping(_mapping(spec).get("spec")).get("devices")
+
+
+def passthrough_class(name: str) -> bool:
+    return name.startswith(CLASS_PREFIX)
+
+
+def judge_claim(kind: str, namespace: str, name: str, devices: Any) -> Verdict:
+    """A ResourceClaim's `spec.devices` (or a template's `spec.spec.devices`), on create or update."""
+    problems = [
+        f"request {request} asks for adminAccess to DeviceClass {device_class}, which passthrough devices do not "
+        "allow (VFIO gives a device to one VM at a time, and admin access would reach devices other claims hold); "
+        "remove adminAccess"
+        for request, device_class, admin in requests(devices)
+        if admin and passthrough_class(device_class)
+    ]
+    if problems:
+        who = f"{kind} {namespace}/{name}" if name else f"{kind} in namespace {namespace}"
+        return Verdict(f"{who}: " + "; ".join(problems) + ".")
+    return Verdict()

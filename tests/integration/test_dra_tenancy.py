@@ -1,0 +1,196 @@
+"""Claims stay in their namespace, against the real parts: the real kube-scheduler's DRA
+allocator writes a claim's allocation, the API server sends that status write to the operator's
+webhook (the chart's configuration, rendered with DRA mode on, pointed at the operator on
+127.0.0.1), and the real kubelet prepares what was allocated through the agent's DRA driver.
+
+team-b's claim uses a DeviceClass that matches every device of the driver, so the scheduler
+picks team-a's GPU for it: the webhook refuses that status write, team-b's pod stays Pending,
+and team-a's claim of the same class gets the GPU.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+from kubernetes_asyncio import client
+
+from e2e import chart, support
+from e2e.cluster import free_ports
+from e2e.processes import OperatorProcess, WebhookServing, running
+from e2e.support import created
+from passthrough.dra.slice import DRIVER
+from passthrough.kube.client import MERGE_PATCH, ApiError, session_of
+from tests.integration.test_dra import (  # noqa: F401  (fixtures: the GPU node, its kubelet and the agent in DRA mode)
+    AUDIO, GPU, RESOURCE, agent, cdi_dir, claim_pod, gpu_host, kubelet, published,
+)  # fmt: skip
+from tests.integration.test_metrics import scrape
+
+pytestmark = pytest.mark.cluster
+DECISIONS = "passthrough_operator_admission_decisions_total"
+ALLOCATIONS = "ResourceClaim status"  # the metric's kind for the allocation gate (webhook.STATUS)
+DEVICE = "pci-0000-af-00-0"
+OTHER_DEVICE = "pci-0000-3b-00-0"  # the node's other A10
+GPU_MODE = "passthrough.io/gpu-passthrough"
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    return WebhookServing(tmp_path_factory.mktemp("webhook-tls"))
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, serving, tmp_path_factory):
+    """The operator with its webhooks and metrics (the agent fixture runs beside it)."""
+    port = free_ports(1)[0]
+    proc = OperatorProcess(cluster, tmp_path_factory.mktemp("operator") / "operator.log", "--not-found-grace=4s",
+                           f"--metrics-port={port}", "--metrics-addr=127.0.0.1", webhook=serving)  # fmt: skip
+    proc.metrics_port = port
+    with running(proc):
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def webhooks(cluster, helm, serving, operator):
+    with chart.webhooks_registered(cluster, chart.webhook_configuration(helm, serving, "--set=agent.devicePlugin.dra=true")) as hooks:
+        yield hooks
+
+
+@pytest.fixture
+async def device_class(api, unique):
+    """A DeviceClass any tenant might write: every device of the driver, whoever it belongs to."""
+    name = f"all-passthrough-{unique}"
+    session = session_of(api)
+    await session.request("POST", f"{RESOURCE}/deviceclasses", body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+    })  # fmt: skip
+    yield name
+    await session.request("DELETE", f"{RESOURCE}/deviceclasses/{name}")
+
+
+def claim(name: str, device_class: str, **request: object) -> dict:
+    return {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class, **request}}]}},
+    }  # fmt: skip
+
+
+async def create_claim(api, namespace: str, body: dict) -> dict:
+    return await session_of(api).request("POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaims", body=body)
+
+
+async def read_claim(api, namespace: str, name: str) -> dict:
+    return await session_of(api).request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}")
+
+
+async def release(api, namespace: str, name: str) -> None:
+    """What kube-controller-manager's resourceclaim controller (not run here) does once the claim's
+    pod is gone: clear its reservation and allocation, then its finalizer."""
+    session = session_of(api)
+    found = await read_claim(api, namespace, name)
+    found["status"] = {}
+    await session.request("PUT", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}/status", body=found)
+    await session.request("PATCH", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}",
+                          body={"metadata": {"finalizers": None}}, content_type=MERGE_PATCH)  # fmt: skip
+
+
+async def denied(operator) -> float:
+    return (await scrape(operator.metrics_port))(DECISIONS, kind=ALLOCATIONS, decision="denied")
+
+
+async def test_a_claim_of_another_namespace_is_never_allocated_a_device_whatever_its_class(
+    api, kubelet, agent, webhooks, operator, namespace, unique, device_class
+):
+    core = client.CoreV1Api(api)
+    team_a, team_b = namespace, await support.create_namespace(api, f"team-b-{unique}")
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    await support.assign(api, names[GPU], team_a)
+    await published(api, kubelet, agent, {DEVICE: team_a})
+    try:
+        before = await denied(operator)
+        await create_claim(api, team_b, claim("stolen", device_class))
+        await support.create_pod(api, team_b, claim_pod("b-launcher", "stolen"))
+        # The scheduler allocates team-a's GPU to team-b's claim (it matches the class) and writes
+        # that into the claim's status: the webhook refuses it.
+        async def decided():
+            allocated = ((await read_claim(api, team_b, "stolen")).get("status") or {}).get("allocation")
+            return {"allocated": allocated} if allocated else await denied(operator) > before
+
+        outcome = await support.wait_for(decided, 30, 0.2, what="the scheduler's allocation of team-a's GPU to team-b refused")
+        assert outcome is True, f"team-b's claim was allocated: {outcome}"
+        assert not (await core.read_namespaced_pod("b-launcher", team_b)).spec.node_name
+
+        # team-a's claim of the very same class gets it, through the same webhook.
+        await create_claim(api, team_a, claim("vm-gpu", device_class))
+        await support.create_pod(api, team_a, claim_pod("a-launcher", "vm-gpu"))
+        await created(core, team_a, kubelet, "a-launcher", timeout=90)
+        [result] = (await read_claim(api, team_a, "vm-gpu"))["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"], result["device"]) == (DRIVER, kubelet.node_name, DEVICE)
+
+        # team-b's pod is still Pending, its claim unallocated, and it never got a container.
+        assert "allocation" not in ((await read_claim(api, team_b, "stolen")).get("status") or {})
+        assert not (await core.read_namespaced_pod("b-launcher", team_b)).spec.node_name
+        assert not any(c.get("envs", {}).get("MARK") == "b-launcher" for c in kubelet.created_containers())
+        assert await denied(operator) > before
+    finally:
+        await support.delete_pod(api, team_b, "b-launcher")
+        await support.delete_pod(api, team_a, "a-launcher")
+        await support.wait_for(lambda: _unprepared(kubelet), 30, what="team-a's claim unprepared")
+        await _release_quietly(api, team_a, "vm-gpu")
+        await support.assign(api, names[GPU], "")
+        await published(api, kubelet, agent, {})
+        await core.delete_namespace(team_b)
+
+
+async def test_an_unassigned_gpu_of_a_node_in_gpu_mode_goes_to_any_namespace(
+    api, kubelet, agent, webhooks, operator, namespace, device_class
+):
+    """The pool: nothing refuses an unassigned GPU of a node in GPU passthrough mode, whoever claims it."""
+    core = client.CoreV1Api(api)
+    await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    await core.patch_node(kubelet.node_name, {"metadata": {"labels": {GPU_MODE: "true"}}})
+    try:
+        # Both A10s of the node, neither assigned: the pool.
+        await published(api, kubelet, agent, {DEVICE: "", OTHER_DEVICE: ""})
+        await create_claim(api, namespace, claim("pool-gpu", device_class))
+        await support.create_pod(api, namespace, claim_pod("pool-launcher", "pool-gpu"))
+        await created(core, namespace, kubelet, "pool-launcher", timeout=90)
+        [result] = (await read_claim(api, namespace, "pool-gpu"))["status"]["allocation"]["devices"]["results"]
+        assert result["device"] in (DEVICE, OTHER_DEVICE)
+    finally:
+        await support.delete_pod(api, namespace, "pool-launcher")
+        await support.wait_for(lambda: _unprepared(kubelet), 30, what="the pool claim unprepared")
+        await _release_quietly(api, namespace, "pool-gpu")
+        await core.patch_node(kubelet.node_name, {"metadata": {"labels": {GPU_MODE: None}}})
+        await published(api, kubelet, agent, {})
+
+
+async def test_admin_access_to_a_passthrough_class_is_refused(api, webhooks, namespace):
+    # The API server itself allows adminAccess only in a namespace labelled for it.
+    await client.CoreV1Api(api).patch_namespace(namespace, {"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}})
+    session = session_of(api)
+    with pytest.raises(ApiError) as refused:
+        await create_claim(api, namespace, claim("peek", f"passthrough-{namespace}", adminAccess=True))
+    message = refused.value.message
+    assert "adminAccess" in message and "passthrough devices do not allow" in message, message
+    template = {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "peek"},
+        "spec": {"spec": claim("peek", f"passthrough-{namespace}", adminAccess=True)["spec"]},
+    }  # fmt: skip
+    with pytest.raises(ApiError) as refused:
+        await session.request("POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaimtemplates", body=template)
+    assert "adminAccess" in refused.value.message, refused.value.body
+    # Without adminAccess the same claim is nothing the webhook is asked about.
+    await create_claim(api, namespace, claim("plain", f"passthrough-{namespace}"))
+
+
+async def _unprepared(kubelet) -> bool:
+    return not list(cdi_dir(kubelet).glob("*.json"))
+
+
+async def _release_quietly(api, namespace: str, name: str) -> None:
+    try:
+        await release(api, namespace, name)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
