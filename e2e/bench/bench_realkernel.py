@@ -82,9 +82,9 @@ def to_unhealthy(node: GuestNode, slot: str, namespace: str, inject) -> str:
         before = guest_clock(node.guest)
         inject()
         try:
-            at = wait(lambda: watch.first(lambda d: d.get(member) != "Healthy", before), 20, "not Healthy")
+            at = wait(lambda: watch.first(lambda d: d.get(member) != "Healthy", before), 60, "not Healthy")
         except AssertionError:
-            return "not reached in 20 s"
+            return "not reached in 60 s"
     return f"{at - before:5.2f} s"
 
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from e2e.guest.kernel import SERIES
-from e2e.guest.machine import expected
+from e2e.guest.kernel import DEFAULT_SERIES, SERIES, RigUnavailable, kernel
+from e2e.guest.machine import TOPOLOGY, boot, expected
+from tests.realkernel.conftest import _absent as absent
 
 # Read in the guest, straight from its sysfs: what discovery must agree with.
 READ_SYSFS = """
@@ -66,3 +67,30 @@ def test_rig_topology(guest):
         address for address, seen in sysfs.items() if seen["iommuGroup"] in {next(iter(g)) for g in groups.values()}
     }
     assert members == set(expected()), "a slot's IOMMU group holds a function from elsewhere"
+
+
+def test_a_kernel_without_an_iommu_rules_every_device_out_with_what_to_do(request, tmp_path):
+    """intel_iommu=off (the IOMMU in the machine, the kernel told not to use it): no IOMMU groups,
+    and no device is eligible; each says why and what to do, and nothing crashes."""
+    topology = tuple(s for s in TOPOLOGY if s.name in ("testdev", "gpu"))
+    try:
+        found_kernel = kernel(DEFAULT_SERIES)
+    except RigUnavailable as exc:
+        absent(request, str(exc))
+    with boot(found_kernel, tmp_path / "guest", topology=topology, append="intel_iommu=off") as guest:
+        assert guest.run("ls", "/sys/kernel/iommu_groups").stdout.strip() == ""
+        run = guest.passthrough("discover", "--all", "--output", "json", timeout=240)
+        found = json.loads(run.stdout)
+        assert found["node"]["iommuEnabled"] is False
+        devices = {d["pciAddress"]: d for d in found["devices"]}
+        assert set(expected(topology)) <= set(devices), devices
+        for address in expected(topology):
+            device = devices[address]
+            why, _, todo = device["reason"].partition("; ")
+            assert device["eligible"] is False and "IOMMU is not enabled" in why, device
+            assert "intel_iommu=on" in todo, device
+            assert device["iommuGroup"] == -1, device
+        # The drivers the kernel bound stay bound: discovery only reads.
+        drivers = {a: guest.run("sh", "-c", f"basename $(readlink /sys/bus/pci/devices/{a}/driver) 2>/dev/null", check=False).stdout.strip()
+                   for a in expected(topology)}  # fmt: skip
+        assert drivers == {a: fn.driver for a, (_, fn) in expected(topology).items()}
