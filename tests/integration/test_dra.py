@@ -184,3 +184,21 @@ async def test_the_resource_slice_at_rest_gets_no_write_per_rescan(api, kubelet,
     assert (await live_slice(api, kubelet))["spec"]["pool"]["generation"] == generation
     await support.assign(api, names[GPU], "")
     await published(api, kubelet, agent, {})
+
+
+async def test_a_device_that_falls_ill_is_withdrawn_from_the_slice_and_comes_back(api, kubelet, agent, gpu_host, namespace):
+    host, _ = gpu_host
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    await support.assign(api, names[GPU], namespace)
+    await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
+    # Its audio function's link goes down (a member of its IOMMU group): no new claim may have it.
+    host.write_attribute(AUDIO, "current_link_width", "0")
+    try:
+        await published(api, kubelet, agent, {})
+        assert "withdrew 0000:af:00.0 from the ResourceSlice" in agent.output()
+        assert host.driver(GPU) == "nvidia"  # withdrawn, not touched
+    finally:
+        host.write_attribute(AUDIO, "current_link_width", "16")
+    await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
+    await support.assign(api, names[GPU], "")
+    await published(api, kubelet, agent, {})

@@ -51,6 +51,7 @@ from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
 from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.pci.binder import DEADLINE, Binder
 from passthrough.pci.discovery import BRIDGE_CLASS, Discovery, discover
+from passthrough.pci.health import Health
 from passthrough.pci.pciids import PciIds
 from passthrough.pci import vfio
 from passthrough.pci.vfio import BindError
@@ -64,6 +65,7 @@ SERVICES = ("v1.DRAPlugin",)  # "<gRPC package's last part>.<service>", as the k
 PLUGIN_TYPE = "DRAPlugin"
 CHECKPOINT = "checkpoint.json"
 RETRY = 5.0  # seconds before the next pass after a failed one
+HEALTH_POLL = 0.5  # seconds between health reads of the published devices (cheap: no device lock)
 
 
 class DriverError(RuntimeError):
@@ -111,6 +113,9 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         self.slices = Mirror(Custom(api, dra_slice.PLURAL, group="resource.k8s.io", version="v1"),
                              label_selector=f"{NODE_LABEL}={node_name}")  # fmt: skip
         self.inventory: dict[str, dra_slice.Published] = {}  # slice device name -> what it is, as last published
+        self.health = Health(self.sysfs_root, self.dev_root)
+        self.unhealthy: dict[str, str] = {}  # address -> why, of devices withdrawn from the slice for their health
+        self._candidates: dict[str, int] = {}  # address -> IOMMU group, of what the last pass would publish
         self.discovery: Discovery | None = None
         self.prepared: dict[str, PreparedClaim] = self._load()
         self.registered = asyncio.Event()
@@ -172,7 +177,8 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
     async def run(self) -> None:
         await self.start()
         background = [asyncio.create_task(self.devices.run(), name="dra-devices"),
-                      asyncio.create_task(self.slices.run(), name="dra-slices")]  # fmt: skip
+                      asyncio.create_task(self.slices.run(), name="dra-slices"),
+                      asyncio.create_task(self._watch_health(), name="dra-health")]  # fmt: skip
         try:
             await self.devices.synced.wait()
             await self.slices.synced.wait()
@@ -232,6 +238,10 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         self._seen = handed, claimed = self._assignments()
         published = dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(meta.get("labels")), claimed)
+        self._candidates = {p.device.address: p.device.iommu_group for p in published}
+        self._judge_health()
+        withdrawn = [p for p in published if p.device.address in self.unhealthy]
+        published = [p for p in published if p.device.address not in self.unhealthy]
         self.inventory = dra_slice.by_name(published)
         self._desired = desired = dra_slice.spec(self.node_name, published)
         writes = 0
@@ -247,14 +257,37 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
             log.info("published ResourceSlice %s: %d devices (pool generation %d)", body["metadata"]["name"],
                      len(published), body["spec"]["pool"]["generation"])  # fmt: skip
         self.published.set()
-        await self._give_back(published)
+        await self._give_back(published, keep=withdrawn)
         return writes
 
-    async def _give_back(self, published: list[dra_slice.Published]) -> None:
-        """Groups this driver bound that nothing published and no prepared claim needs: back to their drivers."""
+    def _judge_health(self) -> bool:
+        """Read the health of every device a pass would publish; True when it changed. An
+        unhealthy device is withdrawn from the slice (no new claim gets it) until it recovers."""
+        found = {a: why for a, group in self._candidates.items() if (why := self.health.hardware_problem(a, group))}
+        if found == self.unhealthy:
+            return False
+        for address, why in found.items():
+            if self.unhealthy.get(address) != why:
+                log.warning("withdrew %s from the ResourceSlice: %s", address, why)
+        for address in self.unhealthy.keys() - found.keys():
+            log.info("%s is healthy again: back in the ResourceSlice", address)
+        self.unhealthy = found
+        return True
+
+    async def _watch_health(self) -> None:
+        """Between passes: a device that falls ill (or recovers) asks for a pass at once."""
+        while True:
+            await asyncio.sleep(HEALTH_POLL)
+            if self._candidates and self._judge_health():
+                self.trigger()
+
+    async def _give_back(self, published: list[dra_slice.Published], keep: list[dra_slice.Published] = ()) -> None:
+        """Groups this driver bound that nothing published and no prepared claim needs: back to
+        their drivers. `keep`: withdrawn for their health, left as they are (an unbind of a device
+        that fell off the bus is no give-back)."""
         if not self.bound.devices or self.discovery is None:
             return
-        needed = {p.device.iommu_group for p in published}
+        needed = {p.device.iommu_group for p in [*published, *keep]}
         needed |= {d["iommu_group"] for claim in self.prepared.values() for d in claim.devices}
         async with self._lock:
             for group, members in sorted(self._groups().items()):

@@ -31,6 +31,12 @@ class Health:
 
     def problem(self, address: str, group: int) -> str:
         """Why `address` (in IOMMU group `group`) cannot be used now; "" when it can."""
+        return self.hardware_problem(address, group) or group_problem(self.sysfs_root, self.dev_root, group)
+
+    def hardware_problem(self, address: str, group: int) -> str:
+        """`problem` but for the group's binding: the device or a member of its group gone, dead,
+        its link down or reporting AER errors. What counts for a device not bound yet (DRA binds
+        a group only when a claim is prepared)."""
         devices = self.sysfs_root / "bus" / "pci" / "devices"
         if not os.path.lexists(devices / address):
             return f"{address} vanished from the bus (surprise removal, or it was hot-unplugged)"
@@ -42,7 +48,7 @@ class Health:
             found = self._device_problem(devices / member, member)
             if found:
                 return found
-        return group_problem(self.sysfs_root, self.dev_root, group)
+        return ""
 
     def _device_problem(self, entry: Path, address: str) -> str:
         if not os.path.lexists(entry):
