@@ -240,13 +240,25 @@ def test_a_values_file_is_the_platform_values(helm, tmp_path):
     values = {**PLATFORM, "agent": {"nodeSelector": {"passthrough.io/gpu": "true"}}, "operator": {"workers": 4}}
     objects = template(helm, "passthrough", "passthrough-system", values_file(tmp_path / "values.yaml", values))
     spec = one(objects, "PassthroughConfig")["spec"]
-    assert spec == PLATFORM
+    assert spec == {**PLATFORM, "dra": {"enabled": False}}  # `dra` is the agents' mode, not a value of its own
     parse_values(spec)  # what the operator will read: valid platform values
     # Helm merges maps: the values file's label joins the default one.
     selector = one(objects, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"]
     assert selector == {"kubernetes.io/os": "linux", "passthrough.io/gpu": "true"}
     assert "--workers=4" in container(objects, "Deployment")["command"]
     assert one(objects, "Deployment")["spec"]["replicas"] == 2  # the default: one leads, both serve the webhooks
+
+
+def test_the_agents_dra_mode_is_what_the_operator_tells_kubevirt(helm, tmp_path):
+    # One switch: the agents' DRA mode is the PassthroughConfig's spec.dra, so the operator turns
+    # KubeVirt's DRA gates on exactly where the nodes publish ResourceSlices.
+    for flags, enabled in ((("--set=agent.devicePlugin.dra=true",), True), ((), False),
+                           (("--set=agent.devicePlugin.dra=true", "--set=agent.devicePlugin.enabled=false"), False)):
+        objects = template(helm, "passthrough", "passthrough-system", *flags)
+        assert one(objects, "PassthroughConfig")["spec"]["dra"] == {"enabled": enabled}, flags
+    values = values_file(tmp_path / "values.yaml", {"dra": {"enabled": True}})
+    refused = helm("template", "passthrough", str(CHART), values, refused=True)
+    assert "dra" in refused  # not a value of its own: the schema refuses it
 
 
 def test_config_create_false_leaves_the_passthrough_config_to_someone_else(helm):

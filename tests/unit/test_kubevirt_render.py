@@ -565,3 +565,15 @@ def test_a_setting_nested_at_the_wrong_level_is_refused_with_its_path(data, prob
     with pytest.raises(ValuesError) as raised:
         parse_values(data)
     assert raised.value.problems == [problem]
+
+
+def test_with_dra_assigned_devices_get_no_entry_and_kubevirt_takes_claims():
+    assigned = [AssignedDevice("pci-a10", "10de", "2236"), AssignedDevice("pci-nic", "8086", "1592")]
+    plain = rendered(values(), assigned=assigned)
+    assert {"passthrough.io/pci-a10", "passthrough.io/pci-nic"} <= set(names(plain))
+    assert plain.feature_gates == ["HostDevices"]
+    dra = rendered({**values(), "dra": {"enabled": True}}, assigned=assigned)
+    # A VM names a ResourceClaim: no exclusive entries (nor their share of the CR's ceiling).
+    assert names(dra) == TABLE and not dra.left_out
+    assert dra.our_feature_gates == ["HostDevices", "HostDevicesWithDRA", "GPUsWithDRA"]
+    assert dra.patch["spec"]["configuration"]["developerConfiguration"]["featureGates"] == dra.feature_gates

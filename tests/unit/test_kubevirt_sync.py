@@ -335,3 +335,13 @@ def test_an_empty_allow_list_removes_a_block_another_manager_wrote_and_says_so()
     plan = plan_sync(config({"gpu": {"replaceDefaults": True}}), ours, [], [], None, NOW)
     assert next(c for c in status_after(plan)["conditions"] if c["type"] == "NodesMatchAllowList")["reason"] == "NoAllowList"
     assert plan.remove_block == ""  # our apply lets go of it
+
+
+def test_with_dra_invalid_values_leave_no_assigned_device_waiting_for_an_entry():
+    live = KubeVirtView("kubevirt", "kubevirt", "", (), None, ("HostDevices",), frozenset())
+    assigned = [AssignedDevice("pci-a", "10de", "2236")]
+    bad = {"gpu": {"permittedHostDevices": {"pciHostDevices": [{"x": 1}]}}}
+    plan = plan_sync(config(bad), live, assigned, [], None, NOW)
+    assert plan.problems and plan.unapplied == {"pci-a": plan.unapplied["pci-a"]}  # waits for its entry
+    plan = plan_sync(config({**bad, "dra": {"enabled": True}}), live, assigned, [], None, NOW)
+    assert plan.problems and plan.unapplied == {}  # with DRA it needs none

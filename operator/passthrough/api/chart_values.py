@@ -223,9 +223,14 @@ class RuntimeValues(Values):
     )
 
 
+# PassthroughConfig keys the chart derives from other values, not values of their own: one
+# switch for one thing (the agents' mode and what KubeVirt is told cannot disagree).
+DERIVED = {"dra": "agent.devicePlugin.dra"}
+
+
 def values_schema() -> dict[str, Any]:
     """The chart's values.schema.json (JSON Schema draft-07, which every Helm 3 reads)."""
-    platform = structural_schema(PassthroughConfigSpec)["properties"]
+    platform = {k: v for k, v in structural_schema(PassthroughConfigSpec)["properties"].items() if k not in DERIVED}
     runtime = _inline(RuntimeValues.model_json_schema(by_alias=True, mode="validation"))
     # In values.yaml's order: `config`, the platform values it is made from, then the rest.
     properties = {

@@ -378,6 +378,19 @@ class DiscoverySettings(APIModel):
     )
 
 
+class DRASettings(APIModel):
+    """Dynamic Resource Allocation (the chart's agent.devicePlugin.dra): the agents publish
+    ResourceSlices instead of serving device plugins, and VMs ask through ResourceClaims."""
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "KubeVirt takes devices from ResourceClaims (its HostDevicesWithDRA and GPUsWithDRA gates are turned on), "
+            "and an assigned device needs no permittedHostDevices entry of its own: none is written."
+        ),
+    )
+
+
 class PassthroughConfigSpec(APIModel):
     """The platform values."""
 
@@ -387,6 +400,7 @@ class PassthroughConfigSpec(APIModel):
     # applies (600 s unless set); one the API server filled in would always override it.
     devices: DeviceSettings = Field(default_factory=DeviceSettings, description="How assigned devices that go missing, and namespaces made after an assignment, are treated.")
     discovery: DiscoverySettings = _defaulted(DiscoverySettings, "Which devices the node agents offer, beyond the eligibility rules.")
+    dra: DRASettings = _defaulted(DRASettings, "Dynamic Resource Allocation instead of device plugins.")
 
 
 class AllowListMismatch(APIModel):

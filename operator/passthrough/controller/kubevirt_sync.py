@@ -290,8 +290,11 @@ def plan_sync(
     names = {d.name for d in assigned}
     plan.left_out = {name: why for name, why in (rendered.left_out if rendered else {}).items() if name in names}
     plan.unapplied = dict(plan.left_out)
-    if problems and kubevirt is not None:
-        # What KubeVirt has is the last good configuration: a device assigned since has no entry there.
+    dra_values = config.spec.get("dra")
+    dra = isinstance(dra_values, Mapping) and dra_values.get("enabled") is True
+    if problems and kubevirt is not None and not dra:
+        # What KubeVirt has is the last good configuration: a device assigned since has no entry there
+        # (with DRA, none needs one).
         have = {e.get("resourceName") for e in (rendered.pci_host_devices if rendered else [])}
         why = f"the PassthroughConfig is invalid ({'; '.join(problems)})"
         plan.unapplied = {d.name: plan.left_out.get(d.name, why) for d in assigned if exclusive_resource_name(d.name) not in have}

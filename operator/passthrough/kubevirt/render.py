@@ -37,7 +37,7 @@ import yaml
 
 from passthrough.api.models import PassthroughConfigSpec
 from passthrough.kubevirt.allowlist import AssignedDevice
-from passthrough.kubevirt.values import HOST_DEVICES_GATE, plan_spec
+from passthrough.kubevirt.values import DRA_GATES, HOST_DEVICES_GATE, plan_spec
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 
 
@@ -150,8 +150,9 @@ def render(
     Raises ValuesError listing every problem of the values. An assigned device whose entry cannot
     be written does not: it is left out, and `left_out` says why.
     """
-    plan = plan_spec(spec, assigned)
-    ours = _unique([HOST_DEVICES_GATE, *spec.kubevirt.extraFeatureGates])
+    # With DRA, a VM names a ResourceClaim, not a resource: assigned devices need no entries.
+    plan = plan_spec(spec, () if spec.dra.enabled else assigned)
+    ours = _unique([HOST_DEVICES_GATE, *(DRA_GATES if spec.dra.enabled else ()), *spec.kubevirt.extraFeatureGates])
     dropped = set(ours) | set(previous_gates)
     gates = ours + _unique(g for g in live_gates if g not in dropped)
     pci, mdev = plan.allow_list.pci_host_devices, plan.allow_list.mediated_devices

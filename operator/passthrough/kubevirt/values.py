@@ -33,6 +33,9 @@ from passthrough.api.models import DNS1123_LABEL, GPUValues, PassthroughConfigSp
 from passthrough.kubevirt.allowlist import DNS1123_SUBDOMAIN, VALUES_PATH, AllowList, AssignedDevice, Problems, allow_list
 
 HOST_DEVICES_GATE = "HostDevices"
+# KubeVirt's gates for devices from ResourceClaims (beta and on by default as of 1.9.0; named
+# anyway, so that an older KubeVirt that has them as alpha takes claims too).
+DRA_GATES = ("HostDevicesWithDRA", "GPUsWithDRA")
 VARIANTS: tuple[str, ...] = typing.get_args(GPUValues.model_fields["variant"].annotation)
 
 _DNS1123_LABEL = re.compile(DNS1123_LABEL)
