@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the webhooks' serving certificate: DIR/tls.crt and DIR/tls.key (a kubernetes.io/tls Secret); "
         "re-read when they change",
     )
+    p.add_argument("--dra", action="store_true",
+                   help="DRA mode: keep a DeviceClass passthrough-<namespace> for each namespace that has devices "
+                   "handed out, selecting exactly those")
     p.add_argument("--readiness", default="", metavar="URL",
                    help="serve a readiness probe, e.g. http://0.0.0.0:8081/readyz: ready once the webhooks listen "
                    "and the caches hold their first listing (leader or not)")

@@ -736,3 +736,18 @@ def test_dra_mode_sends_claims_allocations_and_admin_access_to_the_operators_web
     allocation = dra["resourceclaim-allocations.admission.passthrough.io"]
     assert f"r.driver == '{DRIVER}'" in allocation["matchConditions"][0]["expression"]
     assert all(w["failurePolicy"] == "Fail" and w["matchPolicy"] == "Equivalent" for w in dra.values())
+
+
+def test_dra_mode_lets_the_operator_keep_a_device_class_per_namespace(helm, tmp_path):
+    def operator(*flags: str) -> tuple[list[str], set]:
+        objects = template(helm, "p", "ns", *flags)
+        [role] = [o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "p-passthrough-operator"]
+        rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]}
+        return container(objects, "Deployment")["command"], rules
+
+    command, rules = operator()
+    assert "--dra" not in command and not [r for r in rules if "resource.k8s.io" in r[0]]  # opt-in
+    command, rules = operator(values_file(tmp_path / "v.yaml", {"agent": {"devicePlugin": {"dra": True}}}))
+    assert "--dra" in command
+    assert [r for r in rules if "resource.k8s.io" in r[0]] == [
+        (("resource.k8s.io",), ("deviceclasses",), ("list", "watch", "create", "patch", "delete"))]

@@ -23,13 +23,15 @@ from passthrough.kube.client import MERGE_PATCH, ApiError, session_of
 from tests.integration.test_dra import (  # noqa: F401  (fixtures: the GPU node, its kubelet and the agent in DRA mode)
     AUDIO, GPU, RESOURCE, agent, cdi_dir, claim_pod, gpu_host, kubelet, published,
 )  # fmt: skip
-from tests.integration.test_metrics import scrape
+from tests.integration.test_metrics import scrape, scrape_when
 
 pytestmark = pytest.mark.cluster
 DECISIONS = "passthrough_operator_admission_decisions_total"
 ALLOCATIONS = "ResourceClaim status"  # the metric's kind for the allocation gate (webhook.STATUS)
 DEVICE = "pci-0000-af-00-0"
 OTHER_DEVICE = "pci-0000-3b-00-0"  # the node's other A10
+OTHER_GPU = "0000:3b:00.0"
+RECONCILES = "passthrough_operator_reconcile_duration_seconds_count"
 GPU_MODE = "passthrough.io/gpu-passthrough"
 
 
@@ -42,7 +44,7 @@ def serving(tmp_path_factory):
 def operator(cluster, serving, tmp_path_factory):
     """The operator with its webhooks and metrics (the agent fixture runs beside it)."""
     port = free_ports(1)[0]
-    proc = OperatorProcess(cluster, tmp_path_factory.mktemp("operator") / "operator.log", "--not-found-grace=4s",
+    proc = OperatorProcess(cluster, tmp_path_factory.mktemp("operator") / "operator.log", "--not-found-grace=4s", "--dra",
                            f"--metrics-port={port}", "--metrics-addr=127.0.0.1", webhook=serving)  # fmt: skip
     proc.metrics_port = port
     with running(proc):
@@ -163,6 +165,66 @@ async def test_an_unassigned_gpu_of_a_node_in_gpu_mode_goes_to_any_namespace(
         await _release_quietly(api, namespace, "pool-gpu")
         await core.patch_node(kubelet.node_name, {"metadata": {"labels": {GPU_MODE: None}}})
         await published(api, kubelet, agent, {})
+
+
+async def live_class(api, name: str) -> dict | None:
+    try:
+        return await session_of(api).request("GET", f"{RESOURCE}/deviceclasses/{name}")
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+async def test_each_namespace_with_devices_has_its_device_class_that_no_other_namespace_may_name(
+    api, kubelet, agent, webhooks, operator, namespace, unique
+):
+    core = client.CoreV1Api(api)
+    team_a, team_b = namespace, await support.create_namespace(api, f"team-b-{unique}")
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO, OTHER_GPU))
+    own = f"passthrough-{team_a}"
+    await support.assign(api, names[GPU], team_a)
+    try:
+        await published(api, kubelet, agent, {DEVICE: team_a})
+        found = await support.wait_for(lambda: live_class(api, own), 30, 0.2, what=f"DeviceClass {own}")
+        assert found["metadata"]["labels"]["passthrough.io/namespace"] == team_a
+        assert found["spec"]["selectors"] == [{"cel": {"expression":
+            f'device.driver == "{DRIVER}" && device.attributes["passthrough.io"].namespace == "{team_a}"'}}]  # fmt: skip
+
+        # team-b may not even name it; team-a's claim of it gets its GPU.
+        with pytest.raises(ApiError) as refused:
+            await create_claim(api, team_b, claim("stolen", own))
+        assert f"names DeviceClass {own}, which selects the devices of another namespace" in refused.value.message
+        await create_claim(api, team_a, claim("vm-gpu", own))
+        await support.create_pod(api, team_a, claim_pod("own-launcher", "vm-gpu"))
+        await created(core, team_a, kubelet, "own-launcher", timeout=90)
+        [result] = (await read_claim(api, team_a, "vm-gpu"))["status"]["allocation"]["devices"]["results"]
+        assert result["device"] == DEVICE
+
+        # A second device for team-a changes nothing about its class: decided again, not written.
+        await support.quiet(api, ("deviceclasses",))
+        syncs = (await scrape(operator.metrics_port))(RECONCILES, kind="deviceclasses")
+        before = await support.write_counts(api)
+        await support.assign(api, names[OTHER_GPU], team_a)
+        await scrape_when(operator.metrics_port, lambda s: s(RECONCILES, kind="deviceclasses") > syncs,
+                          "the DeviceClasses decided again after the second hand-out")  # fmt: skip
+        await published(api, kubelet, agent, {DEVICE: team_a, OTHER_DEVICE: team_a})
+        after = await support.write_counts(api)
+        assert support.writes_between(before, after, "deviceclasses") == 0, support.diff(before, after)
+    finally:
+        await support.delete_pod(api, team_a, "own-launcher")
+        await support.wait_for(lambda: _unprepared(kubelet), 30, what="team-a's claim unprepared")
+        await _release_quietly(api, team_a, "vm-gpu")
+        await support.assign(api, names[GPU], "")
+        await support.assign(api, names[OTHER_GPU], "")
+        await core.delete_namespace(team_b)
+    # The last device gone, so is the class.
+    await support.wait_for(lambda: _gone(api, own), 30, 0.2, what=f"DeviceClass {own} deleted")
+    await published(api, kubelet, agent, {})
+
+
+async def _gone(api, name: str) -> bool:
+    return await live_class(api, name) is None
 
 
 async def test_admin_access_to_a_passthrough_class_is_refused(api, webhooks, namespace):

@@ -160,3 +160,18 @@ def test_malformed_claims_are_judged_without_raising():
     for bad in (None, "x", {"requests": "x"}, {"requests": [None, "x", {"exactly": "x"}, {"firstAvailable": [None]}]}):
         assert claims.judge_claim("ResourceClaim", NS, "x", bad).allowed
     assert claims.template_devices("x") is None
+
+
+def test_a_claim_naming_another_namespaces_class_is_refused_its_own_admitted():
+    spec = devices({"name": "gpu", "exactly": {"deviceClassName": "passthrough-team-a"}},
+                   {"name": "alt", "firstAvailable": [{"name": "x", "deviceClassName": "passthrough-team-a"}]})  # fmt: skip
+    owners = {"passthrough-team-a": "team-a"}
+    verdict = claims.judge_claim("ResourceClaim", "team-b", "stolen", spec, owners)
+    assert verdict.refusal == (
+        "ResourceClaim team-b/stolen: request gpu names DeviceClass passthrough-team-a, which selects the devices of "
+        "another namespace; use passthrough-team-b; request alt/x names DeviceClass passthrough-team-a, which selects "
+        "the devices of another namespace; use passthrough-team-b."
+    )
+    assert claims.judge_claim("ResourceClaim", "team-a", "vm", spec, owners).allowed
+    # A passthrough- class that is not the operator's (no owner) is judged only for adminAccess.
+    assert claims.judge_claim("ResourceClaim", "team-b", "x", spec, {}).allowed

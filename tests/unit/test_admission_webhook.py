@@ -311,3 +311,19 @@ async def test_admin_access_on_a_claim_or_template_is_refused_and_a_malformed_on
     await webhook.validate_claim(spec={"devices": "x"}, namespace=NS, name="odd", **user)
     await webhook.validate_claim_template(spec={"spec": 3}, namespace=NS, name="odd", userinfo={})
     assert webhook.STATUS == "ResourceClaim status"  # the metrics' kind the integration test reads
+
+
+async def test_a_claim_naming_another_namespaces_device_class_is_refused_from_the_class_index():
+    from passthrough.controller import deviceclasses as dc
+
+    class Store:  # Kopf's stores are iterable, not indexable
+        def __iter__(self):
+            return iter([dc.Live("team-b", dc.selectors("team-b"))])
+
+    index = {"passthrough-team-b": Store()}
+    spec = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "passthrough-team-b"}}]}}
+    user = {"userinfo": {"username": "tenant"}, "meta": {}}
+    with pytest.raises(kopf.AdmissionError, match="names DeviceClass passthrough-team-b, which selects the devices of another"):
+        await webhook.validate_claim(spec=spec, namespace=NS, name="stolen", device_classes=index, **user)
+    await webhook.validate_claim(spec=spec, namespace="team-b", name="own", device_classes=index, **user)
+    await webhook.validate_claim(spec=spec, namespace=NS, name="no-dra-mode", **user)  # no index: by adminAccess only

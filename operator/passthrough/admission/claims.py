@@ -8,8 +8,10 @@ agent's ResourceSlices may be allocated it. Two gates keep a claim of namespace 
   NodePCIDevices, never from what the slice or the claim says), or an unassigned GPU of a node
   in GPU passthrough mode, which is the pool any namespace may claim by model. This gate holds
   whatever selectors or DeviceClasses a tenant writes;
-- the claim itself (`judge_claim`): no `adminAccess` on a passthrough class (VFIO gives a device
-  to one VM, and admin access would let a claim reach a device another claim holds).
+- the claim itself (`judge_claim`): no other namespace's DeviceClass `passthrough-<namespace>`
+  (the operator's, in DRA mode: controller/deviceclasses.py), and no `adminAccess` on a
+  passthrough class (VFIO gives a device to one VM, and admin access would let a claim reach a
+  device another claim holds).
 
 `admission.webhook` feeds them from the operator's indexes.
 """
@@ -166,15 +168,19 @@ def passthrough_class(name: str) -> bool:
     return name.startswith(CLASS_PREFIX)
 
 
-def judge_claim(kind: str, namespace: str, name: str, devices: Any) -> Verdict:
-    """A ResourceClaim's `spec.devices` (or a template's `spec.spec.devices`), on create or update."""
-    problems = [
-        f"request {request} asks for adminAccess to DeviceClass {device_class}, which passthrough devices do not "
-        "allow (VFIO gives a device to one VM at a time, and admin access would reach devices other claims hold); "
-        "remove adminAccess"
-        for request, device_class, admin in requests(devices)
-        if admin and passthrough_class(device_class)
-    ]
+def judge_claim(kind: str, namespace: str, name: str, devices: Any, owners: Mapping[str, str] | None = None) -> Verdict:
+    """A ResourceClaim's `spec.devices` (or a template's `spec.spec.devices`), on create or update.
+    `owners`: for the operator's per-namespace DeviceClasses (DRA mode), the namespace each is for."""
+    problems = []
+    for request, device_class, admin in requests(devices):
+        owner = (owners or {}).get(device_class, "")
+        if owner and owner != namespace:
+            problems.append(f"request {request} names DeviceClass {device_class}, which selects the devices of another "
+                            f"namespace; use {CLASS_PREFIX}{namespace}")  # fmt: skip
+        elif admin and passthrough_class(device_class):
+            problems.append(f"request {request} asks for adminAccess to DeviceClass {device_class}, which passthrough "
+                            "devices do not allow (VFIO gives a device to one VM at a time, and admin access would reach "
+                            "devices other claims hold); remove adminAccess")  # fmt: skip
     if problems:
         who = f"{kind} {namespace}/{name}" if name else f"{kind} in namespace {namespace}"
         return Verdict(f"{who}: " + "; ".join(problems) + ".")

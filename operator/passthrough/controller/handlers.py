@@ -17,8 +17,10 @@ from typing import Any
 
 import kopf
 
+from passthrough.admission.claims import handed_to
 from passthrough.admission.rules import PREFIX as EXCLUSIVE_PREFIX, referenced_device_names
 from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE, VERSION
+from passthrough.controller import deviceclasses
 from passthrough.controller import reconciler as rec
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, device_sync_inputs, node_device_sync_inputs
 from passthrough.controller.lifecycle import Device, NodeDevice
@@ -50,12 +52,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     memo.devices = Informer(memo.api, PCI_DEVICE.plural, Device.of, DEVICE_INDEXES, lambda old, new: _device_changed(memo, old, new))
     indices = {
         **{name: kwargs[name] for name in (rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS, rec.NODES)},
+        **{name: kwargs[name] for name in (rec.DEVICE_CLASSES,) if name in kwargs},  # DRA mode only
         **memo.node_devices.indexes,
         **memo.devices.indexes,
     }
     memo.reconciler = rec.Reconciler(
         memo.api, indices, default_grace=memo.get("grace", datetime.timedelta(minutes=10)), workers=memo.get("workers", 64)
     )
+    memo.reconciler.sync_device_classes_soon()
     memo.vm_seen = {}
     memo.indexed = asyncio.Event()
     memo.tasks = [
@@ -86,6 +90,7 @@ async def _reconcile_as_leader(memo: kopf.Memo) -> None:
         for name in list(memo.reconciler.indices[index].keys()):
             memo.reconciler.enqueue(name)
     memo.reconciler.sync_kubevirt_soon()
+    memo.reconciler.sync_device_classes_soon()
     await memo.reconciler.run()
 
 
@@ -172,6 +177,8 @@ def _node_device_changed(memo: kopf.Memo, old: NodeDevice | None, new: NodeDevic
     memo.reconciler.changed(device.name)
     if node_device_sync_inputs(old) != node_device_sync_inputs(new):
         memo.reconciler.sync_kubevirt_soon()  # what nodes advertise feeds the mismatch report
+    if (handed_to(old) if old else None) != (handed_to(new) if new else None):
+        memo.reconciler.sync_device_classes_soon()  # a namespace may have gained its first device or lost its last
 
 
 def _device_changed(memo: kopf.Memo, old: Device | None, new: Device | None) -> None:
@@ -225,3 +232,21 @@ async def config_event(name: str, memo: kopf.Memo, **_: Any) -> None:
     _enqueue(memo, [key for key, store in node_devices.items()
                     if any(d.missing_since or (d.ready and d.ready.reason == "NotFound") for d in store)])
     memo.reconciler.sync_kubevirt_soon()
+
+
+# -- DRA mode: the per-namespace DeviceClasses (controller/deviceclasses.py) ----------------------
+
+
+def register_device_classes() -> None:
+    """With `--dra`: index the DeviceClasses of ours (by their labels), and sync them again when
+    someone changes or deletes one. Registered only then, as Kopf lists and watches every index's
+    kind and the chart grants DeviceClasses only in DRA mode."""
+    ours = {deviceclasses.MANAGED_BY: deviceclasses.OPERATOR_MANAGER, deviceclasses.NAMESPACE_LABEL: kopf.PRESENT}
+
+    @kopf.index("resource.k8s.io", "v1", deviceclasses.PLURAL, id=rec.DEVICE_CLASSES, labels=ours)
+    async def device_classes_index(name: str, labels: kopf.Labels, spec: kopf.Spec, **_: Any) -> dict[str, deviceclasses.Live]:
+        return {name: deviceclasses.Live.of(dict(labels), dict(spec))}
+
+    @kopf.on.event("resource.k8s.io", "v1", deviceclasses.PLURAL, labels=ours)
+    async def device_class_event(memo: kopf.Memo, **_: Any) -> None:
+        memo.reconciler.sync_device_classes_soon()

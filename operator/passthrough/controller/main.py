@@ -107,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
     from passthrough.controller import handlers  # noqa: F401  (registers the handlers)
 
+    if args.dra:
+        handlers.register_device_classes()
+
     if webhook_server is not None:
         # Registered only with a server to answer them: Kopf will not start otherwise.
         from passthrough.admission import webhook  # noqa: F401

@@ -19,7 +19,7 @@ OPERATOR = registry("operator")
 RECONCILE_SECONDS = Histogram(
     "passthrough_operator_reconcile_duration_seconds",
     "Time to decide and write one work-queue key, waiting for the watch to show the writes included; "
-    "kind is device (one NodePCIDevice name) or kubevirt (the KubeVirt CR and the config's status).",
+    "kind is device (one NodePCIDevice name), kubevirt (the KubeVirt CR and the config's status) or deviceclasses (DRA mode).",
     ["kind"], buckets=SECONDS, registry=OPERATOR,
 )  # fmt: skip
 RECONCILE_FAILURES = Counter(

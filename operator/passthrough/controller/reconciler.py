@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
-from passthrough.controller import kubevirt_sync, lifecycle, metrics
+from passthrough.controller import deviceclasses, kubevirt_sync, lifecycle, metrics
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.kube.custom import OPERATOR_MANAGER, Custom
 from passthrough.kube.events import EventRecorder
@@ -38,6 +38,7 @@ GROUPS = "iommu_groups"
 NODES = "nodes"
 DEVICES_BY_NAMESPACE = "devices_by_namespace"
 DEVICES_BY_NODE = "devices_by_node"
+DEVICE_CLASSES = "device_classes"  # DRA mode only (controller/handlers.py register_device_classes)
 
 # Seconds the work queue must stay empty before Events are posted (10 s at most after their
 # transition, see EventRecorder): a burst's writes go first, its Events right after, as many at
@@ -47,6 +48,8 @@ EVENTS_AT_ONCE = 16
 
 # The work-queue key of the KubeVirt CR's sync (device keys are NodePCIDevice names).
 KUBEVIRT = ("kubevirt",)
+# The work-queue key of the per-namespace DeviceClasses' sync (DRA mode).
+CLASSES = ("deviceclasses",)
 
 
 def _values(index: Mapping[Any, Any] | None, key: Any) -> list[Any]:
@@ -54,6 +57,11 @@ def _values(index: Mapping[Any, Any] | None, key: Any) -> list[Any]:
         return []
     store = index.get(key)
     return list(store) if store is not None else []
+
+
+def _kind(key: Hashable) -> str:
+    """What a work-queue key is, for the metrics."""
+    return "kubevirt" if key == KUBEVIRT else "deviceclasses" if key == CLASSES else "device"
 
 
 def _rv(value: str) -> int:
@@ -78,6 +86,8 @@ class Reconciler:
         self.devices = Custom(api, PCI_DEVICE.plural, namespaced=True)
         self.configs = Custom(api, PASSTHROUGH_CONFIG.plural)
         self.kubevirts = Custom(api, "kubevirts", namespaced=True, group="kubevirt.io", version="v1")
+        # DRA mode: the per-namespace DeviceClasses, kept when their index is there.
+        self.classes = Custom(api, deviceclasses.PLURAL, group="resource.k8s.io", version="v1") if DEVICE_CLASSES in indices else None
         self.last_good: Rendered | None = None
         self.unapplied: dict[str, str] = {}  # assigned device -> why KubeVirt lacks its entry
         self._problems_logged: list[str] = []
@@ -108,6 +118,10 @@ class Reconciler:
     def sync_kubevirt_soon(self) -> None:
         # Bursts (hundreds of assignments, a node's first report) fold into one sync.
         self.queue.add_after(KUBEVIRT, kubevirt_sync.next_sync_delay(self._sync_cost))
+
+    def sync_device_classes_soon(self) -> None:
+        if self.classes is not None:
+            self.queue.add_after(CLASSES, 0.1)
 
     def config(self) -> kubevirt_sync.ConfigView | None:
         found = _values(self.indices.get(CONFIGS), CONFIG_NAME)
@@ -224,7 +238,7 @@ class Reconciler:
             await asyncio.gather(workers, empty, return_exceptions=True)
 
     def _retry_delay(self, name: Any, exc: BaseException, failures: int) -> float:
-        metrics.RECONCILE_FAILURES.labels("kubevirt" if name == KUBEVIRT else "device").inc()
+        metrics.RECONCILE_FAILURES.labels(_kind(name)).inc()
         delay = min(0.5 * 2 ** (failures - 1), 60.0)
         if isinstance(exc, ApiError):
             log.warning("reconciling %s failed (%s %s); retry %d in %.1fs", name, exc.status, exc.reason, failures, delay)
@@ -236,9 +250,11 @@ class Reconciler:
         return delay
 
     async def reconcile(self, key) -> None:
-        with metrics.RECONCILE_SECONDS.labels("kubevirt" if key == KUBEVIRT else "device").time():
+        with metrics.RECONCILE_SECONDS.labels(_kind(key)).time():
             if key == KUBEVIRT:
                 await self.sync_kubevirt()
+            elif key == CLASSES:
+                await self.sync_device_classes()
             else:
                 await self._reconcile_device(key)
 
@@ -316,6 +332,25 @@ class Reconciler:
         else:
             log.info("deleted NodePCIDevice %s: gone from its node, or its node gone past the grace period", name)
         return (f"{what}-gone", namespace or "", "")
+
+    async def sync_device_classes(self) -> None:
+        """The DeviceClass of each namespace with devices handed out, and none of the others;
+        no write when they are as they should be."""
+        if self.classes is None:
+            return
+        wanted = deviceclasses.namespaces_with_devices(d for store in self.indices[NODE_DEVICES].values() for d in store)
+        live = deviceclasses.live_classes(self.indices[DEVICE_CLASSES])
+        apply, delete = deviceclasses.plan(wanted, live)
+        for namespace in apply:
+            with metrics.write(deviceclasses.PLURAL, "apply"):
+                await self.classes.apply(deviceclasses.body(namespace), OPERATOR_MANAGER)
+            self.writes += 1
+            log.info("applied DeviceClass %s: the devices handed out to namespace %s", deviceclasses.class_name(namespace), namespace)
+        for name in delete:
+            with metrics.write(deviceclasses.PLURAL, "delete") as counted:
+                counted.status(await self.classes.delete(name))
+            self.writes += 1
+            log.info("deleted DeviceClass %s: its namespace has no device handed out any more", name)
 
     async def sync_kubevirt(self) -> None:
         config = self.config()

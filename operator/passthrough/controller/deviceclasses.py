@@ -1,0 +1,80 @@
+"""DRA mode: one DeviceClass per namespace that has devices handed out, `passthrough-<namespace>`,
+whose CEL selector matches exactly the devices the agents publish for that namespace. A tenant
+asks for a device of its namespace by that class; the claim webhook keeps other namespaces off it
+and the allocation webhook (admission/claims.py) holds whatever class a claim uses.
+
+Pure: what classes there should be, and which writes bring the live ones there (none when they
+are as they should be). The reconciler carries the plan out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from passthrough.admission.claims import CLASS_PREFIX, handed_to
+from passthrough.controller.lifecycle import NodeDevice
+from passthrough.dra.slice import DOMAIN, DRIVER
+from passthrough.kube.custom import OPERATOR_MANAGER
+
+API_VERSION = "resource.k8s.io/v1"
+PLURAL = "deviceclasses"
+# Which namespace a class of ours is for; only classes with both labels are ours to change or delete.
+NAMESPACE_LABEL = "passthrough.io/namespace"
+MANAGED_BY = "app.kubernetes.io/managed-by"
+
+
+@dataclass(frozen=True)
+class Live:
+    """A DeviceClass of ours as the index holds it: the namespace its label names, and its selectors."""
+
+    namespace: str
+    selectors: Any
+
+    @classmethod
+    def of(cls, labels: Mapping[str, str], spec: Mapping[str, Any]) -> Live:
+        return cls(labels.get(NAMESPACE_LABEL, ""), spec.get("selectors"))
+
+
+def live_classes(index: Mapping[str, Iterable[Live]] | None) -> dict[str, Live]:
+    """The DeviceClasses of ours by name, from their index (each key a store of values)."""
+    return {name: found for name, store in (index or {}).items() for found in list(store)[:1]}
+
+
+def class_name(namespace: str) -> str:
+    return CLASS_PREFIX + namespace
+
+
+def selectors(namespace: str) -> list[dict[str, Any]]:
+    # A namespace name is a DNS label: nothing in it needs quoting in CEL.
+    expression = f'device.driver == "{DRIVER}" && device.attributes["{DOMAIN}"].namespace == "{namespace}"'
+    return [{"cel": {"expression": expression}}]
+
+
+def body(namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "DeviceClass",
+        "metadata": {"name": class_name(namespace), "labels": {NAMESPACE_LABEL: namespace, MANAGED_BY: OPERATOR_MANAGER}},
+        "spec": {"selectors": selectors(namespace)},
+    }
+
+
+def namespaces_with_devices(node_devices: Iterable[NodeDevice]) -> set[str]:
+    """The namespaces the operator has handed at least one device to."""
+    return {namespace for d in node_devices if (namespace := handed_to(d)[0])}
+
+
+def plan(wanted: Collection[str], live: Mapping[str, Live]) -> tuple[list[str], list[str]]:
+    """(namespaces whose class to apply, names of classes to delete): a class is applied when it is
+    missing or differs from what it should be, deleted when its namespace has no device left."""
+    apply = [ns for ns in sorted(wanted) if live.get(class_name(ns)) != Live(ns, selectors(ns))]
+    delete = sorted(name for name, found in live.items() if found.namespace not in wanted and name == class_name(found.namespace))
+    return apply, delete
+
+
+def owner(device_class: str, live: Mapping[str, Live]) -> str:
+    """The namespace a class of ours is for; "" when the class is not ours (or unknown)."""
+    found = live.get(device_class)
+    return found.namespace if found is not None and device_class == class_name(found.namespace) else ""

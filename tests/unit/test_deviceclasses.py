@@ -1,0 +1,44 @@
+"""DRA mode's DeviceClass per namespace: which classes there should be, and the writes that get
+there (none when the live ones are as they should be)."""
+
+from __future__ import annotations
+
+from passthrough.controller import deviceclasses as dc
+from tests.unit.test_admission_claims import NS, NS_UID, node_device
+
+GPU, OTHER = "0000:af:00.0", "0000:3b:00.0"
+
+
+def live(*namespaces: str) -> dict[str, dc.Live]:
+    return {dc.class_name(ns): dc.Live(ns, dc.selectors(ns)) for ns in namespaces}
+
+
+def test_the_class_of_a_namespace_selects_the_devices_the_agents_publish_for_it():
+    body = dc.body("team-a")
+    assert body["metadata"] == {"name": "passthrough-team-a", "labels": {"passthrough.io/namespace": "team-a",
+                                                                         "app.kubernetes.io/managed-by": "passthrough-operator"}}  # fmt: skip
+    assert body["spec"]["selectors"] == [{"cel": {"expression":
+        'device.driver == "pci.passthrough.io" && device.attributes["passthrough.io"].namespace == "team-a"'}}]  # fmt: skip
+    assert dc.Live.of(body["metadata"]["labels"], body["spec"]) == dc.Live("team-a", dc.selectors("team-a"))
+
+
+def test_only_namespaces_with_a_device_handed_out_have_a_class():
+    devices = [node_device(GPU, NS, (NS, NS_UID)), node_device(OTHER, "team-b")]  # team-b's not handed out yet
+    assert dc.namespaces_with_devices(devices) == {NS}
+
+
+def test_a_missing_class_is_applied_a_changed_one_put_back_and_nothing_written_at_rest():
+    assert dc.plan({"team-a"}, {}) == (["team-a"], [])
+    assert dc.plan({"team-a"}, live("team-a")) == ([], [])
+    edited = {"passthrough-team-a": dc.Live("team-a", [{"cel": {"expression": "true"}}])}
+    assert dc.plan({"team-a"}, edited) == (["team-a"], [])
+
+
+def test_the_class_of_a_namespace_whose_last_device_left_is_deleted_and_others_classes_are_left_alone():
+    assert dc.plan(set(), live("team-a")) == ([], ["passthrough-team-a"])
+    # Labelled as ours under another name: not ours to delete, and no owner for the webhook.
+    odd = {"gpus-for-all": dc.Live("team-a", [])}
+    assert dc.plan(set(), odd) == ([], [])
+    assert dc.owner("gpus-for-all", odd) == ""
+    assert dc.owner("passthrough-team-a", live("team-a")) == "team-a"
+    assert dc.owner("passthrough-team-a", {}) == ""
