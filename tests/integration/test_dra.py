@@ -202,3 +202,48 @@ async def test_a_device_that_falls_ill_is_withdrawn_from_the_slice_and_comes_bac
     await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
     await support.assign(api, names[GPU], "")
     await published(api, kubelet, agent, {})
+
+
+async def test_a_kubelet_restart_keeps_a_prepared_claim_and_unprepares_it_after(api, kubelet, agent, gpu_host, namespace, unique):
+    host, _ = gpu_host
+    session = session_of(api)
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    await support.assign(api, names[GPU], namespace)
+    await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
+    device_class = f"passthrough-restart-{unique}"
+    await session.request("POST", f"{RESOURCE}/deviceclasses", body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": device_class},
+        "spec": {"selectors": [{"cel": {"expression":
+            f'device.driver == "{DRIVER}" && device.attributes["passthrough.io"].namespace == "{namespace}"'}}]},
+    })  # fmt: skip
+    try:
+        await session.request("POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaims", body={
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "kept"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}},
+        })  # fmt: skip
+        await support.create_pod(api, namespace, claim_pod("kept-launcher", "kept"))
+        await created(client.CoreV1Api(api), namespace, kubelet, "kept-launcher", timeout=60)
+        uid = (await session.request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/kept"))["metadata"]["uid"]
+        specs = sorted(p.name for p in cdi_dir(kubelet).glob(f"*{uid}*"))
+        assert specs and host.driver(GPU) == "vfio-pci"
+        containers = sum(1 for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == "kept-launcher")
+
+        await asyncio.to_thread(kubelet.restart_kubelet)
+        # The kubelet wipes its node's slices when it starts: the driver publishes again.
+        await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
+        # The claim stays prepared: its CDI specs, its group on vfio-pci, the container not made again.
+        assert sorted(p.name for p in cdi_dir(kubelet).glob(f"*{uid}*")) == specs
+        assert host.driver(GPU) == "vfio-pci"
+        assert sum(1 for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == "kept-launcher") == containers
+
+        # The restarted kubelet still knows it prepared the claim: the pod's end unprepares it.
+        await support.delete_pod(api, namespace, "kept-launcher")
+
+        async def unprepared():
+            return not list(cdi_dir(kubelet).glob(f"*{uid}*"))
+
+        await support.wait_for(unprepared, 60, what=lambda: f"the claim's CDI specs removed; agent log:\n{agent.output()[-3000:]}")
+    finally:
+        await session.request("DELETE", f"{RESOURCE}/deviceclasses/{device_class}")
+    await support.assign(api, names[GPU], "")
+    await published(api, kubelet, agent, {})
