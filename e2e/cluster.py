@@ -258,9 +258,12 @@ class LocalCluster:
                 "--bind-address=127.0.0.1",
                 f"--secure-port={kcm_port}",
                 # clusterrole-aggregation fills view/edit/admin from aggregated roles (the chart's
-                # PCIDevice read); validatingadmissionpolicy-status type-checks policies.
+                # PCIDevice read); validatingadmissionpolicy-status type-checks policies;
+                # resourceclaim-controller takes a ResourceClaim's reservation and allocation back
+                # once its pods are gone (DRA: without it a deleted claim keeps its device).
                 "--controllers=namespace,garbagecollector,serviceaccount,serviceaccount-token,"
-                "clusterrole-aggregation-controller,validatingadmissionpolicy-status-controller",
+                "clusterrole-aggregation-controller,validatingadmissionpolicy-status-controller,"
+                "resourceclaim-controller",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
                 f"--root-ca-file={pki / 'ca.crt'}",
                 "--leader-elect=false",

@@ -11,6 +11,7 @@ wrote, as a CDI-enabled containerd or CRI-O does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from e2e.processes import AgentProcess
 from e2e.support import created
 from passthrough.dra import cdi
 from passthrough.dra.slice import DRIVER, PCI_BUS_ID, slice_name
-from passthrough.kube.client import session_of
+from passthrough.kube.client import ApiError, session_of
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
@@ -79,6 +80,23 @@ async def published(api, kubelet, agent, want: dict[str, str]) -> dict:
         return found if devices == want else None
 
     return await support.wait_for(matches, 30, 0.2, what=lambda: f"ResourceSlice with {want}; agent log:\n{agent.output()[-3000:]}")
+
+
+async def delete_claim(session, namespace: str, name: str) -> None:
+    """Delete a claim and wait until it is gone: an allocated claim holds its device from the
+    scheduler of every later test, until the namespace's deletion would get to it."""
+    path = f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}"
+    with contextlib.suppress(ApiError):
+        await session.request("DELETE", path)
+
+    async def gone():
+        try:
+            await session.request("GET", path)
+        except ApiError as exc:
+            return exc.status == 404
+        return False
+
+    await support.wait_for(gone, 30, 0.2, what=f"claim {namespace}/{name} deleted")
 
 
 def claim_pod(name: str, claim: str) -> dict:
@@ -159,6 +177,7 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
         assert not Path(mount["hostPath"]).exists()
         assert host.driver(GPU) == "vfio-pci"
     finally:
+        await delete_claim(session, namespace, "vm-gpu")
         await session.request("DELETE", f"{RESOURCE}/deviceclasses/{device_class}")
     await support.assign(api, names[GPU], "")
     await published(api, kubelet, agent, {})
@@ -244,6 +263,7 @@ async def test_a_kubelet_restart_keeps_a_prepared_claim_and_unprepares_it_after(
 
         await support.wait_for(unprepared, 60, what=lambda: f"the claim's CDI specs removed; agent log:\n{agent.output()[-3000:]}")
     finally:
+        await delete_claim(session, namespace, "kept")
         await session.request("DELETE", f"{RESOURCE}/deviceclasses/{device_class}")
     await support.assign(api, names[GPU], "")
     await published(api, kubelet, agent, {})
