@@ -164,3 +164,33 @@ async def test_a_binder_container_that_is_not_there_is_said_with_what_to_look_at
     with pytest.raises(BindError) as e:
         await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
     assert e.value.reason == "BindFailed" and "kubectl logs <agent pod> -c binder" in str(e.value)
+
+
+async def test_a_job_whose_caller_is_cancelled_leaves_no_stray_answer_nor_unretrieved_error(tmp_path):
+    # SIGTERM cancels a scan waiting on the binder: its child goes aside (a later job must not
+    # read the old job's answer), and its end, answer or death, is collected, never logged as
+    # "Task exception was never retrieved".
+    import gc
+
+    host = gpu_node(tmp_path)
+    fifo = block_unbind(host, "nvidia")
+    loop = asyncio.get_running_loop()
+    unretrieved = []
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    binder = Binder(deadline=30)
+    try:
+        job = asyncio.create_task(binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2))
+        await asyncio.sleep(2)  # the child is blocked in its write
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        # The next job goes to a fresh child and gets its own answer.
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+    finally:
+        await binder.close()  # kills the set-aside child: its pending answer ends in an error
+        await asyncio.to_thread(let_go, fifo)
+        await asyncio.sleep(0.5)
+        gc.collect()
+        await asyncio.sleep(0.1)
+        loop.set_exception_handler(None)
+    assert unretrieved == []

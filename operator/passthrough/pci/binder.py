@@ -145,6 +145,15 @@ class Binder:
                 reply.add_done_callback(lambda task: self._finished_late(late, worker, task))
                 log.warning("%s", late.message(self.deadline))
                 raise BindError("WriteBlocked", late.message(self.deadline)) from None
+            except asyncio.CancelledError:
+                # The caller went (SIGTERM mid-scan) with the job still in the child: the child
+                # goes aside, so that no later job reads this one's answer, and its end (an
+                # answer, or death when close() kills it) is collected here.
+                if self._worker is worker:
+                    self._worker = None
+                self._set_aside.append(worker)
+                reply.add_done_callback(lambda task: self._collected(worker, task))
+                raise
         return _outcome(answer)
 
     async def _ready_worker(self) -> asyncio.subprocess.Process:
@@ -181,6 +190,16 @@ class Binder:
                 self._worker = None
             raise BindError("BindFailed", f"the binder process exited (code {code}) before it answered; the agent's log says why")
         return json.loads(line)
+
+    def _collected(self, worker: asyncio.subprocess.Process, task: asyncio.Future) -> None:
+        """The end of a job whose caller went: read (never "exception was never retrieved"), and
+        its child let go (it exits at the end of its input; close() kills one still there)."""
+        with contextlib.suppress(ValueError):
+            self._set_aside.remove(worker)
+        if worker.stdin is not None:
+            worker.stdin.close()
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a job whose caller went ended: %s", task.exception())
 
     def _finished_late(self, late: Overdue, worker: asyncio.subprocess.Process, task: asyncio.Future) -> None:
         self.overdue.pop(late.group, None)
