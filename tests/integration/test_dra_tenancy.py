@@ -19,9 +19,9 @@ from e2e.cluster import free_ports
 from e2e.processes import OperatorProcess, WebhookServing, running
 from e2e.support import created
 from passthrough.dra.slice import DRIVER
-from passthrough.kube.client import MERGE_PATCH, ApiError, session_of
+from passthrough.kube.client import ApiError, session_of
 from tests.integration.test_dra import (  # noqa: F401  (fixtures: the GPU node, its kubelet and the agent in DRA mode)
-    AUDIO, GPU, RESOURCE, agent, cdi_dir, claim_pod, gpu_host, kubelet, published,
+    AUDIO, GPU, RESOURCE, agent, cdi_dir, claim_pod, delete_claim, gpu_host, kubelet, published,
 )  # fmt: skip
 from tests.integration.test_metrics import scrape, scrape_when
 
@@ -83,17 +83,6 @@ async def create_claim(api, namespace: str, body: dict) -> dict:
 
 async def read_claim(api, namespace: str, name: str) -> dict:
     return await session_of(api).request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}")
-
-
-async def release(api, namespace: str, name: str) -> None:
-    """What kube-controller-manager's resourceclaim controller (not run here) does once the claim's
-    pod is gone: clear its reservation and allocation, then its finalizer."""
-    session = session_of(api)
-    found = await read_claim(api, namespace, name)
-    found["status"] = {}
-    await session.request("PUT", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}/status", body=found)
-    await session.request("PATCH", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}",
-                          body={"metadata": {"finalizers": None}}, content_type=MERGE_PATCH)  # fmt: skip
 
 
 async def denied(operator) -> float:
@@ -251,8 +240,6 @@ async def _unprepared(kubelet) -> bool:
 
 
 async def _release_quietly(api, namespace: str, name: str) -> None:
-    try:
-        await release(api, namespace, name)
-    except ApiError as exc:
-        if exc.status != 404:
-            raise
+    """The claim deleted once its pod is gone: kube-controller-manager's resourceclaim controller
+    takes its reservation and allocation back, then its finalizer, as on a real cluster."""
+    await delete_claim(session_of(api), namespace, name)
