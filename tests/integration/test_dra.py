@@ -82,6 +82,35 @@ async def published(api, kubelet, agent, want: dict[str, str]) -> dict:
     return await support.wait_for(matches, 30, 0.2, what=lambda: f"ResourceSlice with {want}; agent log:\n{agent.output()[-3000:]}")
 
 
+def claim(name: str, device_class: str, **request: object) -> dict:
+    return {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class, **request}}]}},
+    }  # fmt: skip
+
+
+async def create_claim(api, namespace: str, body: dict) -> dict:
+    return await session_of(api).request("POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaims", body=body)
+
+
+async def read_claim(api, namespace: str, name: str) -> dict:
+    return await session_of(api).request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}")
+
+
+async def create_namespace_class(api, name: str, namespace: str) -> None:
+    """A DeviceClass of our driver's devices handed out to `namespace`."""
+    await session_of(api).request("POST", f"{RESOURCE}/deviceclasses", body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression":
+            f'device.driver == "{DRIVER}" && device.attributes["passthrough.io"].namespace == "{namespace}"'}}]},
+    })  # fmt: skip
+
+
+def claim_files(kubelet, uid: str) -> list[Path]:
+    """The CDI specs and metadata files the driver wrote for the claim `uid`."""
+    return list(cdi_dir(kubelet).glob(f"*{uid}*"))
+
+
 async def delete_claim(session, namespace: str, name: str) -> None:
     """Delete a claim and wait until it is gone: an allocated claim holds its device from the
     scheduler of every later test, until the namespace's deletion would get to it."""
@@ -130,23 +159,16 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
     assert host.driver(GPU) == "nvidia"  # bound at prepare, not before
 
     device_class = f"passthrough-{unique}"
-    await session.request("POST", f"{RESOURCE}/deviceclasses", body={
-        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": device_class},
-        "spec": {"selectors": [{"cel": {"expression":
-            f'device.driver == "{DRIVER}" && device.attributes["passthrough.io"].namespace == "{namespace}"'}}]},
-    })  # fmt: skip
+    await create_namespace_class(api, device_class, namespace)
     try:
-        await session.request("POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaims", body={
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "vm-gpu"},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}},
-        })  # fmt: skip
+        await create_claim(api, namespace, claim("vm-gpu", device_class))
         await support.create_pod(api, namespace, claim_pod("vm-launcher", "vm-gpu"))
         container = await created(client.CoreV1Api(api), namespace, kubelet, "vm-launcher", timeout=60)
 
-        claim = await session.request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/vm-gpu")
-        [result] = claim["status"]["allocation"]["devices"]["results"]
+        allocated = await read_claim(api, namespace, "vm-gpu")
+        [result] = allocated["status"]["allocation"]["devices"]["results"]
         assert (result["driver"], result["pool"], result["device"]) == (DRIVER, kubelet.node_name, "pci-0000-af-00-0")
-        uid = claim["metadata"]["uid"]
+        uid = allocated["metadata"]["uid"]
         assert sorted(container["cdi_devices"]) == sorted([f"passthrough.io/vfio={uid}-pci-0000-af-00-0",
                                                            f"{DRIVER}/metadata={uid}_gpu"])  # fmt: skip
         edits = cdi.resolve(cdi_dir(kubelet), container["cdi_devices"])
@@ -171,7 +193,7 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
         await support.delete_pod(api, namespace, "vm-launcher")
 
         async def unprepared():
-            return not list(cdi_dir(kubelet).glob(f"*{uid}*"))
+            return not claim_files(kubelet, uid)
 
         await support.wait_for(unprepared, 30, what=lambda: f"the claim's CDI specs removed; agent log:\n{agent.output()[-3000:]}")
         assert not Path(mount["hostPath"]).exists()
@@ -230,20 +252,13 @@ async def test_a_kubelet_restart_keeps_a_prepared_claim_and_unprepares_it_after(
     await support.assign(api, names[GPU], namespace)
     await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
     device_class = f"passthrough-restart-{unique}"
-    await session.request("POST", f"{RESOURCE}/deviceclasses", body={
-        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": device_class},
-        "spec": {"selectors": [{"cel": {"expression":
-            f'device.driver == "{DRIVER}" && device.attributes["passthrough.io"].namespace == "{namespace}"'}}]},
-    })  # fmt: skip
+    await create_namespace_class(api, device_class, namespace)
     try:
-        await session.request("POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaims", body={
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "kept"},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}},
-        })  # fmt: skip
+        await create_claim(api, namespace, claim("kept", device_class))
         await support.create_pod(api, namespace, claim_pod("kept-launcher", "kept"))
         await created(client.CoreV1Api(api), namespace, kubelet, "kept-launcher", timeout=60)
-        uid = (await session.request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/kept"))["metadata"]["uid"]
-        specs = sorted(p.name for p in cdi_dir(kubelet).glob(f"*{uid}*"))
+        uid = (await read_claim(api, namespace, "kept"))["metadata"]["uid"]
+        specs = sorted(p.name for p in claim_files(kubelet, uid))
         assert specs and host.driver(GPU) == "vfio-pci"
         containers = sum(1 for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == "kept-launcher")
 
@@ -251,7 +266,7 @@ async def test_a_kubelet_restart_keeps_a_prepared_claim_and_unprepares_it_after(
         # The kubelet wipes its node's slices when it starts: the driver publishes again.
         await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
         # The claim stays prepared: its CDI specs, its group on vfio-pci, the container not made again.
-        assert sorted(p.name for p in cdi_dir(kubelet).glob(f"*{uid}*")) == specs
+        assert sorted(p.name for p in claim_files(kubelet, uid)) == specs
         assert host.driver(GPU) == "vfio-pci"
         assert sum(1 for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == "kept-launcher") == containers
 
@@ -259,7 +274,7 @@ async def test_a_kubelet_restart_keeps_a_prepared_claim_and_unprepares_it_after(
         await support.delete_pod(api, namespace, "kept-launcher")
 
         async def unprepared():
-            return not list(cdi_dir(kubelet).glob(f"*{uid}*"))
+            return not claim_files(kubelet, uid)
 
         await support.wait_for(unprepared, 60, what=lambda: f"the claim's CDI specs removed; agent log:\n{agent.output()[-3000:]}")
     finally:

@@ -21,7 +21,8 @@ from e2e.support import created
 from passthrough.dra.slice import DRIVER
 from passthrough.kube.client import ApiError, session_of
 from tests.integration.test_dra import (  # noqa: F401  (fixtures: the GPU node, its kubelet and the agent in DRA mode)
-    AUDIO, GPU, RESOURCE, agent, cdi_dir, claim_pod, delete_claim, gpu_host, kubelet, published,
+    AUDIO, GPU, RESOURCE, agent, cdi_dir, claim, claim_pod, create_claim, delete_claim, gpu_host, kubelet, published,
+    read_claim,
 )  # fmt: skip
 from tests.integration.test_metrics import scrape, scrape_when
 
@@ -68,21 +69,6 @@ async def device_class(api, unique):
     })  # fmt: skip
     yield name
     await session.request("DELETE", f"{RESOURCE}/deviceclasses/{name}")
-
-
-def claim(name: str, device_class: str, **request: object) -> dict:
-    return {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class, **request}}]}},
-    }  # fmt: skip
-
-
-async def create_claim(api, namespace: str, body: dict) -> dict:
-    return await session_of(api).request("POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaims", body=body)
-
-
-async def read_claim(api, namespace: str, name: str) -> dict:
-    return await session_of(api).request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}")
 
 
 async def denied(operator) -> float:
