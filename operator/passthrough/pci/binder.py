@@ -191,22 +191,23 @@ class Binder:
             raise BindError("BindFailed", f"the binder process exited (code {code}) before it answered; the agent's log says why")
         return json.loads(line)
 
-    def _collected(self, worker: asyncio.subprocess.Process, task: asyncio.Future) -> None:
-        """The end of a job whose caller went: read (never "exception was never retrieved"), and
-        its child let go (it exits at the end of its input; close() kills one still there)."""
+    def _let_go(self, worker: asyncio.subprocess.Process) -> None:
+        """A set-aside child whose job ended: no longer ours to kill; it exits at the end of its input."""
         with contextlib.suppress(ValueError):
             self._set_aside.remove(worker)
         if worker.stdin is not None:
             worker.stdin.close()
+
+    def _collected(self, worker: asyncio.subprocess.Process, task: asyncio.Future) -> None:
+        """The end of a job whose caller went: read (never "exception was never retrieved"), and
+        its child let go (it exits at the end of its input; close() kills one still there)."""
+        self._let_go(worker)
         if not task.cancelled() and task.exception() is not None:
             log.debug("a job whose caller went ended: %s", task.exception())
 
     def _finished_late(self, late: Overdue, worker: asyncio.subprocess.Process, task: asyncio.Future) -> None:
         self.overdue.pop(late.group, None)
-        with contextlib.suppress(ValueError):
-            self._set_aside.remove(worker)
-        if worker.stdin is not None:
-            worker.stdin.close()  # it exits at the end of its input
+        self._let_go(worker)
         if task.cancelled():
             return
         error = task.exception()
