@@ -20,7 +20,7 @@ import kopf
 from passthrough.admission.claims import handed_to
 from passthrough.admission.rules import PREFIX as EXCLUSIVE_PREFIX, referenced_device_names
 from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE, VERSION
-from passthrough.controller import deviceclasses
+from passthrough.controller import allocations, deviceclasses
 from passthrough.controller import reconciler as rec
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, device_sync_inputs, node_device_sync_inputs
 from passthrough.controller.lifecycle import Device, NodeDevice
@@ -52,7 +52,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     memo.devices = Informer(memo.api, PCI_DEVICE.plural, Device.of, DEVICE_INDEXES, lambda old, new: _device_changed(memo, old, new))
     indices = {
         **{name: kwargs[name] for name in (rec.VM_REFERENCES, rec.NAMESPACES, rec.CONFIGS, rec.KUBEVIRTS, rec.NODES)},
-        **{name: kwargs[name] for name in (rec.DEVICE_CLASSES,) if name in kwargs},  # DRA mode only
+        **{name: kwargs[name] for name in (rec.DEVICE_CLASSES, rec.CLAIMS) if name in kwargs},  # DRA mode only
         **memo.node_devices.indexes,
         **memo.devices.indexes,
     }
@@ -61,6 +61,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     )
     memo.reconciler.sync_device_classes_soon()
     memo.vm_seen = {}
+    memo.claim_seen = {}
     memo.indexed = asyncio.Event()
     memo.tasks = [
         asyncio.create_task(memo.node_devices.run(), name="informer of nodepcidevices"),
@@ -250,3 +251,29 @@ def register_device_classes() -> None:
     @kopf.on.event("resource.k8s.io", "v1", deviceclasses.PLURAL, labels=ours)
     async def device_class_event(memo: kopf.Memo, **_: Any) -> None:
         memo.reconciler.sync_device_classes_soon()
+
+
+def register_claims() -> None:
+    """With `--dra`: index the ResourceClaims allocated our devices, by (pool, device), and decide
+    a device again when a claim's allocation or consumers change: its Attached condition names the
+    claim and its pod, and a claim holds the device as a VM does (lifecycle.Users). Registered only
+    then, as the chart grants ResourceClaims only in DRA mode."""
+
+    @kopf.index("resource.k8s.io", "v1", allocations.PLURAL, id=rec.CLAIMS)
+    async def claims_index(name: str, namespace: str, status: kopf.Status, **_: Any) -> dict[tuple[str, str], Any]:
+        return allocations.allocated(namespace, name, dict(status))
+
+    @kopf.on.event("resource.k8s.io", "v1", allocations.PLURAL)
+    async def claim_event(
+        name: str, namespace: str, status: kopf.Status, type: str | None, memo: kopf.Memo, **_: Any,
+    ) -> None:  # fmt: skip
+        # A claim that lets go of a device must wake that device too, so remember what each held.
+        key = (namespace, name)
+        now = {} if type == "DELETED" else allocations.allocated(namespace, name, dict(status))
+        before = memo.claim_seen.get(key, {})
+        if now:
+            memo.claim_seen[key] = now
+        else:
+            memo.claim_seen.pop(key, None)
+        changed = {where for where in {*before, *now} if before.get(where) != now.get(where)}
+        _enqueue(memo, {device for where in changed for device in memo.reconciler.devices_at(*where)})

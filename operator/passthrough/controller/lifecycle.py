@@ -13,12 +13,15 @@ import datetime
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from passthrough.api.conditions import Cond, condition, parse_timestamp, timestamp
 from passthrough.api.models import API_VERSION, MAX_HOLDERS, NODE_PCI_DEVICE, PCI_DEVICE
 from passthrough.api.labels import NODE_LABEL
 from passthrough.pci.naming import exclusive_resource_name, node_pci_device_name
+
+if TYPE_CHECKING:
+    from passthrough.controller.allocations import Allocation
 
 FINALIZER = "passthrough.io/in-use"
 DEFAULT_GRACE = datetime.timedelta(minutes=10)
@@ -182,6 +185,9 @@ class World:
     # The models KubeVirt's own device plugin serves (allow-list entries with
     # externalResourceProvider false): "vvvv:dddd" -> its resource name.
     served_by_kubevirt: Mapping[str, str] = field(default_factory=dict)
+    # DRA mode: the ResourceClaims whose status allocates this device (by its node and address:
+    # controller/allocations.py), whatever their namespace; `Users` decides which count.
+    claims: tuple[Allocation, ...] = ()
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -454,32 +460,88 @@ def _older(created: str, assigned_at: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Holders:
-    """The VMs that list the device, and the PCIDevices that go (every one but the current one)."""
+class Users:
+    """Who uses the device in one namespace: the VMs whose spec lists it and, in DRA mode, the
+    ResourceClaims of that namespace allocated it.
 
-    referenced: Mapping[str, tuple[str, ...]]  # namespace of each PCIDevice -> the VMs there that list it
+    A claim is a user as a VM is: it keeps the namespace's PCIDevice Terminating (the finalizer)
+    and the NodePCIDevice, and while it is of the namespace the device was assigned to before, the
+    new namespace's VMs and claims wait (HeldElsewhere; the scheduler gives an allocated device to
+    no other claim). A claim lets go when its last pod ends (kube-controller-manager then takes its
+    allocation back) or when it is deleted. Only claims of a namespace the device was handed out
+    to count (`Holders`, `_users`): an allocation the webhook should have refused does not keep a
+    device anywhere.
+    """
+
+    namespace: str
+    vms: tuple[str, ...] = ()
+    claims: tuple[Allocation, ...] = ()
+
+    @classmethod
+    def of(cls, world: World, namespace: str) -> Users:
+        claims = tuple(c for c in world.claims if c.namespace == namespace)
+        return cls(namespace, world.referencing_vms.get(namespace, ()), claims)
+
+    def __bool__(self) -> bool:
+        return bool(self.vms or self.claims)
+
+    def using(self) -> list[str]:
+        """Those that use it now: the VMs, and the claims reserved for a pod."""
+        vms = [_vm_list(self.namespace, self.vms)] if self.vms else []
+        return vms + [c.describe() for c in self.claims if c.consumers]
+
+    def waiting_for_pods(self) -> list[str]:
+        """The claims allocated it that no pod is reserved for yet."""
+        return [c.describe() for c in self.claims if not c.consumers]
+
+    def names(self) -> str:
+        return "; ".join(self.using() + self.waiting_for_pods())
+
+    def until_released(self) -> str:
+        """What letting go takes, to end a sentence `... until <this>`."""
+        parts = [f"{_vm_list(self.namespace, self.vms)} drops it from its spec"] if self.vms else []
+        if len(self.claims) == 1:
+            parts.append(f"{self.claims[0].describe()} lets go of it (its pods end, or it is deleted)")
+        elif self.claims:
+            parts.append(f"{', '.join(c.describe() for c in self.claims)} let go of it (their pods end, or they are deleted)")
+        return " and ".join(parts)
+
+
+@dataclass(frozen=True)
+class Holders:
+    """The users of the device in each namespace it has a PCIDevice in, and the PCIDevices that go
+    (every one but the current one)."""
+
+    referenced: Mapping[str, Users]  # namespace of each PCIDevice -> the VMs and claims there that use it
     leaving: tuple[Device, ...]
-    # Of those, the ones that outlive this plan: a VM holds them (or their namespace is going).
+    # Of those, the ones that outlive this plan: a user holds them (or their namespace is going).
     lingering: tuple[Device, ...]
-    # VMs of another namespace that still hold the device (reassigned under them): until they
-    # let go, VMs of the target namespace wait, and both objects say so.
-    held_elsewhere: Mapping[str, tuple[str, ...]]
+    # Users of another namespace that still hold the device (reassigned under them): until they
+    # let go, the target namespace's wait, and both objects say so.
+    held_elsewhere: Mapping[str, Users]
 
     @classmethod
     def of(cls, world: World, target: str, phase: str | None, current: Device | None = None) -> Holders:
-        referenced = {d.namespace: world.referencing_vms.get(d.namespace, ()) for d in world.devices}
+        referenced = {d.namespace: Users.of(world, d.namespace) for d in world.devices}
         leaving = tuple(d for d in world.devices if d is not current or d.deleting)
         lingering = tuple(d for d in leaving if referenced[d.namespace] or (d.namespace == target and phase == "Terminating"))
         held_elsewhere = {d.namespace: referenced[d.namespace] for d in lingering if d.namespace != target and referenced[d.namespace]}
         return cls(referenced, leaving, lingering, held_elsewhere)
 
 
-def _users(world: World, verdict: Verdict, holders: Holders) -> dict[str, tuple[str, ...]]:
-    """Namespace -> the VMs there that list the device, wherever its PCIDevice is."""
-    users = {ns: vms for ns, vms in holders.referenced.items() if vms}
-    if verdict.will_exist and world.referencing_vms.get(verdict.target):
-        users[verdict.target] = world.referencing_vms[verdict.target]
+def _users(world: World, verdict: Verdict, holders: Holders) -> dict[str, Users]:
+    """Namespace -> the VMs and claims there that use the device, wherever its PCIDevice is."""
+    users = {ns: found for ns, found in holders.referenced.items() if found}
+    if verdict.will_exist and (found := Users.of(world, verdict.target)):
+        users[verdict.target] = found
     return users
+
+
+def _pool_claims(npci: NodeDevice, world: World) -> tuple[Allocation, ...]:
+    """The claims of any namespace allocated a device nobody has: an unassigned GPU is the pool
+    every namespace may claim (admission/claims.py). They are reported on the NodePCIDevice, and
+    hold nothing: like a VM that asks for a pool GPU by model, they keep no finalizer."""
+    return world.claims if not npci.assigned_namespace and npci.handed_to == NOT_HANDED and not world.devices else ()
 
 
 # -- the PCIDevices ---------------------------------------------------------------------------
@@ -516,12 +578,12 @@ def _target_device(npci: NodeDevice, world: World, verdict: Verdict, absence: Ab
     if not verdict.will_exist:
         return plan
     target, current = verdict.target, verdict.current
-    vms = world.referencing_vms.get(target, ())
-    wanted = device_metadata(npci, target, finalizer=bool(vms))
+    users = Users.of(world, target)
+    wanted = device_metadata(npci, target, finalizer=bool(users))
     if current is None or _metadata_differs(current, wanted):
         plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
     gone = _node_gone_note(npci, world, absence.node_gone_since) if absence.node_gone else ""
-    status = _device_status(npci, current, vms, world.now, holders.held_elsewhere, gone)
+    status = _device_status(npci, current, users, world.now, holders.held_elsewhere, gone)
     if current is None or _status_differs(current.status, status):
         plan.writes.append(ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status}))
         plan.events.extend(_device_events(npci, current, status, target))
@@ -575,9 +637,9 @@ def _node_status(npci: NodeDevice, world: World, verdict: Verdict, absence: Abse
     with an Event for each transition."""
     target = verdict.target
     assigned = _assigned_condition(npci, world, verdict, absence, holders)
-    waiting = world.referencing_vms.get(target, ()) if verdict.will_exist and holders.held_elsewhere else ()
-    claims = {ns: vms for ns, vms in _users(world, verdict, holders).items() if not (waiting and ns == target)}
-    attached = _attached_condition(claims, (target, waiting) if waiting else None)
+    waiting = Users.of(world, target) if verdict.will_exist and holders.held_elsewhere else Users(target)
+    users = [found for ns, found in sorted(_users(world, verdict, holders).items()) if not (waiting and ns == target)]
+    attached = _attached_condition(users, waiting, _pool_claims(npci, world))
     # Recorded once handed out; kept while the namespace is away or was made anew; cleared with
     # the assignment (the admin assigning again is what gives the device to a new namespace).
     ref = ("", "") if not target else ((target, verdict.target_uid) if verdict.will_exist and verdict.target_uid else npci.handed_to)
@@ -602,7 +664,7 @@ def _node_status(npci: NodeDevice, world: World, verdict: Verdict, absence: Abse
     return Plan(writes=[ApplyNodeDeviceStatus(body)], events=_node_events(npci, target, assigned, attached, waiting))
 
 
-def _node_events(npci: NodeDevice, target: str, assigned: Cond, attached: Cond, waiting: tuple[str, ...]) -> list[Event]:
+def _node_events(npci: NodeDevice, target: str, assigned: Cond, attached: Cond, waiting: Users) -> list[Event]:
     events = []
     # A new device starting out unassigned is not news; every later transition is.
     if not assigned.same(npci.assigned) and (npci.assigned is not None or target or assigned.reason == "NameMismatch"):
@@ -653,10 +715,11 @@ def _later(when: datetime.datetime, by: datetime.timedelta) -> datetime.datetime
 
 
 def _device_status(
-    npci: NodeDevice, current: Device | None, vms: tuple[str, ...], now: datetime.datetime,
-    held_elsewhere: Mapping[str, tuple[str, ...]] | None = None, node_gone: str = "",
+    npci: NodeDevice, current: Device | None, users: Users, now: datetime.datetime,
+    held_elsewhere: Mapping[str, Users] | None = None, node_gone: str = "",
 ) -> dict[str, Any]:  # fmt: skip
-    """`node_gone`: why the device's Node is away ("" while it exists)."""
+    """`users`: the VMs and claims of the PCIDevice's namespace that use the device; `node_gone`:
+    why the device's Node is away ("" while it exists)."""
     old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
     # Ready is the node's word, transition time included; while its Node is gone, ours.
     if node_gone:
@@ -668,25 +731,27 @@ def _device_status(
         ready = condition("Ready", npci.ready or unreported, old.get("Ready"), now)
     resource = exclusive_resource_name(npci.name)
     if held_elsewhere:
-        holders = "; ".join(_vm_list(ns, held) for ns, held in sorted(held_elsewhere.items()))
+        holders = "; ".join(held.names() for _, held in sorted(held_elsewhere.items()))
+        until = " and ".join(held.until_released() for _, held in sorted(held_elsewhere.items()))
         attached = (
             Cond("False", "WaitingForRelease",
-                 f"Still held by {holders}, in the device's previous namespace; {_vm_list(npci.assigned_namespace, vms)} "
-                 "waits (its launcher pod stays Pending) until that VM drops it from its spec.")
-            if vms
+                 f"Still held by {holders}, in the device's previous namespace; {users.names()} waits (its pod stays "
+                 f"Pending) until {until}.")
+            if users
             else Cond("False", "HeldElsewhere",
-                      f"Still held by {holders}, in the device's previous namespace; a VM here that lists {resource} "
-                      "waits until that VM drops it from its spec.")
+                      f"Still held by {holders}, in the device's previous namespace; a VM or claim here that asks for "
+                      f"{resource} waits until {until}.")
         )  # fmt: skip
-    elif vms:
-        attached = Cond("True", "AttachedToVirtualMachine", f"Used by {_vm_list(npci.assigned_namespace, vms)}.")
+    elif users:
+        reason, used = _in_use([users])
+        attached = Cond("True", reason, f"{used}.")
     else:
         attached = Cond("False", "Available", f"No VirtualMachine uses it; set deviceName {resource} in a VM's hostDevices.")
     return {
         "attributes": dict(npci.attributes),
         "nodeName": npci.node_name,
         "resourceName": resource,
-        "attachedTo": "" if held_elsewhere else ", ".join(vms),
+        "attachedTo": "" if held_elsewhere else ", ".join(users.vms),
         # Who holds it on the node, as its agent reported: while a pod of another namespace does (the
         # one the device was assigned to before), no pod here gets it (Ready says HeldByPod).
         "holders": [{"namespace": ns, "pod": pod, "resource": resource} for ns, pod, resource in npci.holders],
@@ -741,7 +806,7 @@ def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, A
 def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absence: Absence, holders: Holders) -> Cond:
     target, phase, referenced = verdict.target, verdict.phase, holders.referenced
     held = [(d.namespace, referenced[d.namespace]) for d in holders.lingering if referenced[d.namespace]]
-    holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {_vm_list(ns, vms)} drops it from its spec" for ns, vms in held)
+    holding = "; ".join(f"PCIDevice {ns}/{npci.name} stays until {users.until_released()}" for ns, users in held)
     gone = _node_gone_note(npci, world, absence.node_gone_since) if not world.node_present else ""
     if verdict.misnamed:
         return _misnamed(npci, verdict.misnamed, holding)
@@ -806,8 +871,8 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
         return Cond("False", "DeviceNotReady",
                     f"Waiting for the device to be Ready before it goes to {target} ({why}); it is handed out by itself once it is.")
     if not verdict.will_exist:
-        old_vms = referenced.get(target) or ()
-        waiting = f" ({_vm_list(target, old_vms)} still lists it)" if old_vms else ""
+        old = referenced.get(target)
+        waiting = f" ({old.names()} still uses it)" if old else ""
         return Cond("False", "InProgress", f"Waiting for the previous PCIDevice {target}/{npci.name} to finish terminating{waiting}.")
     resource = exclusive_resource_name(npci.name)
     if world.allow_list_problem:
@@ -841,12 +906,31 @@ def _misnamed(npci: NodeDevice, expected: str, holding: str) -> Cond:
                 f"device is real, assign {expected}, which its node's agent reports.{_also(holding)}")
 
 
-def _attached_condition(attached: Mapping[str, tuple[str, ...]], waiting: tuple[str, tuple[str, ...]] | None = None) -> Cond:
-    """`waiting`: (namespace, VMs) that list the device but wait for the VMs holding it elsewhere."""
-    if not attached:
+def _attached_condition(
+    users: list[Users], waiting: Users | None = None, pool: tuple[Allocation, ...] = (),
+) -> Cond:  # fmt: skip
+    """The NodePCIDevice's Attached: `users` of each namespace; `waiting`: those of the target
+    namespace that want the device but wait for the users holding it elsewhere; `pool`: the claims
+    of any namespace allocated it while it is in the pool (`_pool_claims`)."""
+    if pool:
+        users = [*users, *(Users(c.namespace, claims=(c,)) for c in pool)]
+    if not any(users):
         return Cond("False", "Available", "No VirtualMachine uses this device.")
-    users = "; ".join(_vm_list(ns, vms) for ns, vms in sorted(attached.items()))
+    reason, used = _in_use(users)
     if waiting:
-        return Cond("True", "AttachedToVirtualMachine",
-                    f"Used by {users}; {_vm_list(*waiting)} waits for it to be released.")
-    return Cond("True", "AttachedToVirtualMachine", f"Used by {users}.")
+        return Cond("True", reason, f"{used}; {waiting.names()} waits for it to be released.")
+    return Cond("True", reason, f"{used}.")
+
+
+def _in_use(users: list[Users]) -> tuple[str, str]:
+    """The reason of Attached=True, and who uses the device (a sentence, without its period).
+    AttachedToVirtualMachine while a VM lists the device, AllocatedToClaim while only claims (DRA)
+    hold it; a claim no pod is reserved for yet is allocated the device, its pod still to come."""
+    using = [part for found in users for part in found.using()]
+    allocated = [part for found in users for part in found.waiting_for_pods()]
+    sentences = [f"Used by {'; '.join(using)}"] if using else []
+    if allocated:
+        pods = "its pod" if len(allocated) == 1 else "their pods"
+        sentences.append(f"{'allocated' if using else 'Allocated'} to {', '.join(allocated)}, waiting for {pods}")
+    reason = "AttachedToVirtualMachine" if any(found.vms for found in users) else "AllocatedToClaim"
+    return reason, "; ".join(sentences)

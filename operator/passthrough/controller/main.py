@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.dra:
         handlers.register_device_classes()
+        handlers.register_claims()
 
     if webhook_server is not None:
         # Registered only with a server to answer them: Kopf will not start otherwise.

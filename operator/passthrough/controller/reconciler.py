@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
-from passthrough.controller import deviceclasses, kubevirt_sync, lifecycle, metrics
+from passthrough.controller import allocations, deviceclasses, kubevirt_sync, lifecycle, metrics
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.kube.custom import OPERATOR_MANAGER, Custom
 from passthrough.kube.events import EventRecorder
@@ -39,6 +39,7 @@ NODES = "nodes"
 DEVICES_BY_NAMESPACE = "devices_by_namespace"
 DEVICES_BY_NODE = "devices_by_node"
 DEVICE_CLASSES = "device_classes"  # DRA mode only (controller/handlers.py register_device_classes)
+CLAIMS = "claims"  # DRA mode only: (pool, device) -> the claims allocated it (register_claims)
 
 # Seconds the work queue must stay empty before Events are posted (10 s at most after their
 # transition, see EventRecorder): a burst's writes go first, its Events right after, as many at
@@ -182,6 +183,23 @@ class Reconciler:
             return True
         return bool(_values(nodes, npci.node_name))
 
+    def claims_of(self, npci: lifecycle.NodeDevice | None) -> tuple[allocations.Allocation, ...]:
+        """The claims whose allocation names the device, found by its node and address (DRA mode)."""
+        address = npci.attributes.get("pciAddress") if npci is not None else None
+        if not isinstance(address, str) or not address or CLAIMS not in self.indices:
+            return ()
+        found = _values(self.indices[CLAIMS], allocations.key(npci.node_name, address))
+        return tuple(sorted(set(found), key=lambda c: (c.namespace, c.name)))
+
+    def devices_at(self, pool: str, device: str) -> list[str]:
+        """The NodePCIDevices an allocation result of (pool, device) names: those of that node at
+        that address (one, unless the node reported the address twice with other IDs)."""
+        return [
+            d.name for name in _values(self.indices.get(DEVICES_BY_NODE), pool)
+            for d in _values(self.indices[NODE_DEVICES], name)
+            if isinstance(address := d.attributes.get("pciAddress"), str) and allocations.key(pool, address) == (pool, device)
+        ]  # fmt: skip
+
     def node_devices_known(self) -> Iterator[lifecycle.NodeDevice]:
         """Every NodePCIDevice the indexes hold (for the metrics, at scrape time)."""
         return (store[0] for store in self.indices[NODE_DEVICES].values() if store)
@@ -214,6 +232,7 @@ class Reconciler:
             served_by_kubevirt=self.served_by_kubevirt(),
             node_present=self.node_present(npci),
             referencing_vms={ns: vms for ns, vms in referencing.items() if vms},
+            claims=self.claims_of(npci),
             now=datetime.datetime.now(datetime.UTC),
             grace=self.grace(),
         )
