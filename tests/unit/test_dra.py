@@ -140,6 +140,14 @@ def test_the_metadata_file_is_a_stream_kubernetes_and_kubevirt_both_read():
     assert "podClaimName" not in objects[0]
 
 
+def test_a_subrequest_is_named_in_full_for_kubernetes_and_by_its_request_for_kubevirt():
+    claim = {"metadata": {"name": "vm-gpu", "namespace": "team-a", "uid": "u-1"}}
+    objects = cdi.read_stream(cdi.metadata_stream("d.io", claim, "gpu/large", [_prepared(request="gpu/large")]))
+    names = {o["apiVersion"].rsplit("/", 1)[1]: o["requests"][0]["name"] for o in objects}
+    assert names == {"v1beta1": "gpu/large", "v1alpha1": "gpu"}  # KubeVirt 1.9 reads v1alpha1, by the pod's name
+    assert objects[0]["requests"][0]["devices"] == objects[1]["requests"][0]["devices"]
+
+
 def test_a_claim_from_a_template_is_mounted_under_the_pods_name_for_it():
     claim = {"metadata": {"name": "vm-x7k2", "namespace": "team-a", "uid": "u-1",
                           "annotations": {cdi.POD_CLAIM_ANNOTATION: "gpu-claim"}}}  # fmt: skip

@@ -6,7 +6,11 @@ documents, and the paths they go to; `driver` writes them.
 The metadata file is a JSON stream, the same object once per API version, newest first, as
 k8s.io/dynamic-resource-allocation's kubeletplugin writes it (`metadataWriter`): Kubernetes 1.37
 reads `metadata.resource.k8s.io/v1beta1`, KubeVirt 1.9 only `v1alpha1`; a stream decoder takes the
-first version it knows. Host path `<plugin dir>/dra-device-metadata/<ns>_<claim>/<request>/metadata.json`,
+first version it knows. One difference, for KubeVirt: a subrequest's device is recorded under
+`gpu/large` (KEP-5304) in v1beta1 but under its request `gpu` in v1alpha1, because KubeVirt 1.9's
+virt-launcher looks the request up by the name the VMI and its pod give, which is never a
+subrequest's (tests/integration/test_kubevirt_metadata.py runs KubeVirt's code on our files).
+Host path `<plugin dir>/dra-device-metadata/<ns>_<claim>/<request>/metadata.json`,
 container path `/var/run/kubernetes.io/dra-device-attributes/resourceclaims/<claim>/<request>/<driver>-metadata.json`
 (`resourceclaimtemplates/<pod claim name>/...` for a claim made from a template).
 """
@@ -23,6 +27,9 @@ from typing import Any
 CDI_VERSION = "0.5.0"
 VFIO_KIND = "passthrough.io/vfio"
 METADATA_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
+# The versions in which a subrequest's device is recorded under its request: KubeVirt 1.9, which
+# reads only v1alpha1, looks a request up by the name the pod gives it, never a subrequest's.
+BASE_REQUEST_VERSIONS = frozenset({"metadata.resource.k8s.io/v1alpha1"})
 CONTAINER_METADATA_DIR = "/var/run/kubernetes.io/dra-device-attributes"
 POD_CLAIM_ANNOTATION = "resource.kubernetes.io/pod-claim-name"  # on a claim made from a pod's template
 VFIO_DIR = "/dev/vfio"
@@ -98,7 +105,8 @@ def metadata_spec(driver: str, claim_uid: str, request: str, host_path: Path, co
 def metadata_stream(
     driver: str, claim: Mapping[str, Any], request: str, devices: Iterable[PreparedDevice], generation: int = 1
 ) -> str:
-    """The metadata file: one DeviceMetadata object per version in METADATA_VERSIONS, one per line."""
+    """The metadata file: one DeviceMetadata object per version in METADATA_VERSIONS, one per line
+    (a subrequest named in full, or by its request in BASE_REQUEST_VERSIONS)."""
     meta = claim.get("metadata") or {}
     pod_claim = (meta.get("annotations") or {}).get(POD_CLAIM_ANNOTATION)
     body: dict[str, Any] = {
@@ -107,13 +115,14 @@ def metadata_stream(
     }  # fmt: skip
     if pod_claim:
         body["podClaimName"] = pod_claim
-    body["requests"] = [{
-        "name": request,
-        "devices": [{"driver": driver, "pool": d.pool, "name": d.name, "attributes": dict(d.attributes)} for d in devices],
-    }]  # fmt: skip
-    return "".join(
-        json.dumps({"kind": "DeviceMetadata", "apiVersion": version, **body}, indent=2) + "\n" for version in METADATA_VERSIONS
-    )
+    entries = [{"driver": driver, "pool": d.pool, "name": d.name, "attributes": dict(d.attributes)} for d in devices]
+
+    def document(version: str) -> str:
+        name = base_request(request) if version in BASE_REQUEST_VERSIONS else request
+        return json.dumps({"kind": "DeviceMetadata", "apiVersion": version, **body,
+                           "requests": [{"name": name, "devices": entries}]}, indent=2) + "\n"  # fmt: skip
+
+    return "".join(document(version) for version in METADATA_VERSIONS)
 
 
 def read_stream(text: str) -> list[dict[str, Any]]:
