@@ -750,5 +750,6 @@ def test_dra_mode_lets_the_operator_keep_a_device_class_per_namespace(helm, tmp_
     assert "--dra" not in command and not [r for r in rules if "resource.k8s.io" in r[0]]  # opt-in
     command, rules = operator(values_file(tmp_path / "v.yaml", {"agent": {"devicePlugin": {"dra": True}}}))
     assert "--dra" in command
-    assert [r for r in rules if "resource.k8s.io" in r[0]] == [
-        (("resource.k8s.io",), ("deviceclasses",), ("list", "watch", "create", "patch", "delete"))]
+    assert sorted(r for r in rules if "resource.k8s.io" in r[0]) == [
+        (("resource.k8s.io",), ("deviceclasses",), ("list", "watch", "create", "patch", "delete")),
+        (("resource.k8s.io",), ("resourceclaims",), ("list", "watch"))]  # the claims' devices: their Attached
