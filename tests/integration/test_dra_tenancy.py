@@ -18,6 +18,7 @@ from e2e import chart, support
 from e2e.cluster import free_ports
 from e2e.processes import OperatorProcess, WebhookServing, running
 from e2e.support import created
+from passthrough.admission.claims import POOL_CLASS
 from passthrough.dra.slice import DRIVER
 from passthrough.kube.client import ApiError, session_of
 from tests.integration.test_dra import (  # noqa: F401  (fixtures: the GPU node, its kubelet and the agent in DRA mode)
@@ -34,6 +35,7 @@ OTHER_DEVICE = "pci-0000-3b-00-0"  # the node's other A10
 OTHER_GPU = "0000:3b:00.0"
 RECONCILES = "passthrough_operator_reconcile_duration_seconds_count"
 GPU_MODE = "passthrough.io/gpu-passthrough"
+A10 = "nvidia.com/GA102GL_A10"
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +142,50 @@ async def test_an_unassigned_gpu_of_a_node_in_gpu_mode_goes_to_any_namespace(
         await _release_quietly(api, namespace, "pool-gpu")
         await core.patch_node(kubelet.node_name, {"metadata": {"labels": {GPU_MODE: None}}})
         await published(api, kubelet, agent, {})
+
+
+async def test_a_pool_claim_by_model_gets_a_pool_gpu_of_that_model_and_never_an_assigned_one(
+    api, kubelet, agent, webhooks, operator, namespace, unique
+):
+    """The pool's class, `passthrough-pool.gpu`, is every namespace's: a claim picks the model by a
+    selector of its own. Of the node's two A10s one is handed out to team-a: team-b's claim by
+    model gets the other, and a second such claim waits (no second pool A10) instead of getting
+    team-a's."""
+    core = client.CoreV1Api(api)
+    team_a, team_b = namespace, await support.create_namespace(api, f"team-b-{unique}")
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO, OTHER_GPU))
+    await core.patch_node(kubelet.node_name, {"metadata": {"labels": {GPU_MODE: "true"}}})
+    await support.assign(api, names[OTHER_GPU], team_a)
+    by_model = {"selectors": [{"cel": {"expression": f'device.attributes["passthrough.io"].resourceName == "{A10}"'}}]}
+    try:
+        await published(api, kubelet, agent, {DEVICE: "", OTHER_DEVICE: team_a})
+        await support.wait_for(lambda: live_class(api, POOL_CLASS), 30, 0.2, what=f"DeviceClass {POOL_CLASS}")
+        await create_claim(api, team_b, claim("a10", POOL_CLASS, **by_model))
+        await support.create_pod(api, team_b, claim_pod("model-launcher", "a10"))
+        await created(core, team_b, kubelet, "model-launcher", timeout=90)
+        [result] = (await read_claim(api, team_b, "a10"))["status"]["allocation"]["devices"]["results"]
+        assert (result["pool"], result["device"]) == (kubelet.node_name, DEVICE)
+
+        # The only other A10 is team-a's: a second claim by model waits, the scheduler says why.
+        await create_claim(api, team_b, claim("a10-too", POOL_CLASS, **by_model))
+        await support.create_pod(api, team_b, claim_pod("model-launcher-2", "a10-too"))
+
+        async def unschedulable():
+            pod = await core.read_namespaced_pod("model-launcher-2", team_b)
+            return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in pod.status.conditions or [])
+
+        await support.wait_for(unschedulable, 60, 0.2, what="the second pool claim found unschedulable")
+        assert "allocation" not in ((await read_claim(api, team_b, "a10-too")).get("status") or {})
+        assert not any(c.get("envs", {}).get("MARK") == "model-launcher-2" for c in kubelet.created_containers())
+    finally:
+        await support.delete_pod(api, team_b, "model-launcher-2")
+        await support.delete_pod(api, team_b, "model-launcher")
+        await support.wait_for(lambda: _unprepared(kubelet), 30, what="the pool claim unprepared")
+        await _release_quietly(api, team_b, "a10")
+        await support.assign(api, names[OTHER_GPU], "")
+        await core.patch_node(kubelet.node_name, {"metadata": {"labels": {GPU_MODE: None}}})
+        await core.delete_namespace(team_b)
+    await published(api, kubelet, agent, {})
 
 
 async def live_class(api, name: str) -> dict | None:

@@ -28,16 +28,27 @@ def test_only_namespaces_with_a_device_handed_out_have_a_class():
 
 
 def test_a_missing_class_is_applied_a_changed_one_put_back_and_nothing_written_at_rest():
-    assert dc.plan({"team-a"}, {}) == (["team-a"], [])
-    assert dc.plan({"team-a"}, live("team-a")) == ([], [])
-    edited = {"passthrough-team-a": dc.Live("team-a", [{"cel": {"expression": "true"}}])}
+    assert dc.plan({"team-a"}, live(dc.POOL)) == (["team-a"], [])
+    assert dc.plan({"team-a"}, live(dc.POOL, "team-a")) == ([], [])
+    edited = {**live(dc.POOL), "passthrough-team-a": dc.Live("team-a", [{"cel": {"expression": "true"}}])}
     assert dc.plan({"team-a"}, edited) == (["team-a"], [])
 
 
+def test_the_pool_has_a_class_of_its_own_always_that_no_namespace_can_have_and_every_namespace_may_use():
+    assert dc.plan(set(), {}) == ([dc.POOL], [])
+    body = dc.body(dc.POOL)
+    assert body["metadata"]["name"] == "passthrough-pool.gpu" and body["metadata"]["labels"]["passthrough.io/namespace"] == ""
+    assert body["spec"]["selectors"] == [{"cel": {"expression":
+        'device.driver == "pci.passthrough.io" && device.attributes["passthrough.io"].namespace == ""'}}]  # fmt: skip
+    # No namespace's class is it (a namespace name has no dot), and the webhook sees no owner in it.
+    assert dc.class_name("pool") != dc.POOL_CLASS and "." in dc.POOL_CLASS
+    assert dc.owner(dc.POOL_CLASS, live(dc.POOL, "team-a")) == ""
+
+
 def test_the_class_of_a_namespace_whose_last_device_left_is_deleted_and_others_classes_are_left_alone():
-    assert dc.plan(set(), live("team-a")) == ([], ["passthrough-team-a"])
+    assert dc.plan(set(), live(dc.POOL, "team-a")) == ([], ["passthrough-team-a"])
     # Labelled as ours under another name: not ours to delete, and no owner for the webhook.
-    odd = {"gpus-for-all": dc.Live("team-a", [])}
+    odd = {**live(dc.POOL), "gpus-for-all": dc.Live("team-a", [])}
     assert dc.plan(set(), odd) == ([], [])
     assert dc.owner("gpus-for-all", odd) == ""
     assert dc.owner("passthrough-team-a", live("team-a")) == "team-a"

@@ -26,3 +26,15 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- define "passthrough.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
+
+{{/* The agent's user name, as the API server sees its ServiceAccount token. */}}
+{{- define "passthrough.agentUser" -}}
+{{- printf "system:serviceaccount:%s:%s-agent" .Release.Namespace (include "passthrough.fullname" .) -}}
+{{- end -}}
+
+{{/* CEL: the node of the caller's token ("" when it names none). A token bound to a pod carries
+the pod's node in request.userInfo.extra["authentication.kubernetes.io/node-name"], as the
+DaemonSet's projected token does. */}}
+{{- define "passthrough.callerNode" -}}
+has(request.userInfo.extra) && 'authentication.kubernetes.io/node-name' in request.userInfo.extra ? request.userInfo.extra['authentication.kubernetes.io/node-name'][0] : ''
+{{- end -}}

@@ -28,6 +28,8 @@ from passthrough.dra.slice import DRIVER, device_name
 # The prefix of the DeviceClasses that select passthrough devices (the operator's per-namespace
 # classes are `passthrough-<namespace>`).
 CLASS_PREFIX = "passthrough-"
+# The operator's class of the pool (unassigned GPUs of nodes in GPU mode), open to every namespace.
+POOL_CLASS = CLASS_PREFIX + "pool.gpu"
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:

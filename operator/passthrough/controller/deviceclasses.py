@@ -3,6 +3,12 @@ whose CEL selector matches exactly the devices the agents publish for that names
 asks for a device of its namespace by that class; the claim webhook keeps other namespaces off it
 and the allocation webhook (admission/claims.py) holds whatever class a claim uses.
 
+And one for the pool, `passthrough-pool.gpu` (the dot keeps it from ever being a namespace's
+class: a namespace name has none): the unassigned GPUs of nodes in GPU passthrough mode, which any
+namespace may claim by model with a selector of its own on `passthrough.io/resourceName` or
+`passthrough.io/model`. It is there whenever DRA mode is, pool devices or not, so that a tenant's
+claim template does not depend on which nodes are in GPU mode today.
+
 Pure: what classes there should be, and which writes bring the live ones there (none when they
 are as they should be). The reconciler carries the plan out.
 """
@@ -13,7 +19,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from passthrough.admission.claims import CLASS_PREFIX, handed_to
+from passthrough.admission.claims import CLASS_PREFIX, POOL_CLASS, handed_to
 from passthrough.controller.lifecycle import NodeDevice
 from passthrough.dra.slice import DOMAIN, DRIVER
 from passthrough.kube.custom import OPERATOR_MANAGER
@@ -42,8 +48,16 @@ def live_classes(index: Mapping[str, Iterable[Live]] | None) -> dict[str, Live]:
     return {name: found for name, store in (index or {}).items() for found in list(store)[:1]}
 
 
+POOL = ""  # the pool's "namespace": what its devices carry in passthrough.io/namespace
+
+
 def class_name(namespace: str) -> str:
-    return CLASS_PREFIX + namespace
+    return POOL_CLASS if namespace == POOL else CLASS_PREFIX + namespace
+
+
+def selects(namespace: str) -> str:
+    """What the class of `namespace` selects, for the log."""
+    return "the unassigned GPUs of nodes in GPU passthrough mode" if namespace == POOL else f"the devices handed out to namespace {namespace}"
 
 
 def selectors(namespace: str) -> list[dict[str, Any]]:
@@ -68,7 +82,9 @@ def namespaces_with_devices(node_devices: Iterable[NodeDevice]) -> set[str]:
 
 def plan(wanted: Collection[str], live: Mapping[str, Live]) -> tuple[list[str], list[str]]:
     """(namespaces whose class to apply, names of classes to delete): a class is applied when it is
-    missing or differs from what it should be, deleted when its namespace has no device left."""
+    missing or differs from what it should be, deleted when its namespace has no device left. The
+    pool's class (namespace POOL) is always wanted."""
+    wanted = {*wanted, POOL}
     apply = [ns for ns in sorted(wanted) if live.get(class_name(ns)) != Live(ns, selectors(ns))]
     delete = sorted(name for name, found in live.items() if found.namespace not in wanted and name == class_name(found.namespace))
     return apply, delete

@@ -364,7 +364,7 @@ class Reconciler:
             with metrics.write(deviceclasses.PLURAL, "apply"):
                 await self.classes.apply(deviceclasses.body(namespace), OPERATOR_MANAGER)
             self.writes += 1
-            log.info("applied DeviceClass %s: the devices handed out to namespace %s", deviceclasses.class_name(namespace), namespace)
+            log.info("applied DeviceClass %s: %s", deviceclasses.class_name(namespace), deviceclasses.selects(namespace))
         for name in delete:
             with metrics.write(deviceclasses.PLURAL, "delete") as counted:
                 counted.status(await self.classes.delete(name))
