@@ -152,3 +152,14 @@ def test_a_pool_gpu_names_the_claim_of_any_namespace_on_its_node_device_and_hold
 def test_a_claim_of_another_namespace_is_no_pool_claim_once_the_device_is_assigned():
     settled = converge(claimed(world(node_device("team-a")), Allocation("team-c", "pool-gpu", ("pod p",))))
     assert settled.node_device.attached is None or "team-c" not in settled.node_device.attached.message
+
+
+def test_in_dra_mode_an_unused_device_points_the_tenant_to_its_namespaces_device_class():
+    dra = dataclasses.replace(world(node_device("team-a")), device_class="passthrough-team-a")
+    [pcidev] = converge(dra).devices
+    assert (attached(pcidev)["reason"], attached(pcidev)["message"]) == ("Available", (
+        "No claim uses it; claim it with a ResourceClaim request of deviceClassName passthrough-team-a, named in a VM's "
+        "gpus or hostDevices (claimName)."))  # fmt: skip
+    # Without DRA mode, the device plugins' way: the VM's hostDevices.
+    [pcidev] = converge(world(node_device("team-a"))).devices
+    assert "set deviceName passthrough.io/" in attached(pcidev)["message"]

@@ -188,6 +188,9 @@ class World:
     # DRA mode: the ResourceClaims whose status allocates this device (by its node and address:
     # controller/allocations.py), whatever their namespace; `Users` decides which count.
     claims: tuple[Allocation, ...] = ()
+    # DRA mode: the DeviceClass through which the device's namespace claims it ("" otherwise):
+    # the way to use it that the PCIDevice points a tenant to.
+    device_class: str = ""
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -583,7 +586,7 @@ def _target_device(npci: NodeDevice, world: World, verdict: Verdict, absence: Ab
     if current is None or _metadata_differs(current, wanted):
         plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
     gone = _node_gone_note(npci, world, absence.node_gone_since) if absence.node_gone else ""
-    status = _device_status(npci, current, users, world.now, holders.held_elsewhere, gone)
+    status = _device_status(npci, current, users, world.now, holders.held_elsewhere, gone, world.device_class)
     if current is None or _status_differs(current.status, status):
         plan.writes.append(ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status}))
         plan.events.extend(_device_events(npci, current, status, target))
@@ -716,10 +719,10 @@ def _later(when: datetime.datetime, by: datetime.timedelta) -> datetime.datetime
 
 def _device_status(
     npci: NodeDevice, current: Device | None, users: Users, now: datetime.datetime,
-    held_elsewhere: Mapping[str, Users] | None = None, node_gone: str = "",
+    held_elsewhere: Mapping[str, Users] | None = None, node_gone: str = "", device_class: str = "",
 ) -> dict[str, Any]:  # fmt: skip
     """`users`: the VMs and claims of the PCIDevice's namespace that use the device; `node_gone`:
-    why the device's Node is away ("" while it exists)."""
+    why the device's Node is away ("" while it exists); `device_class`: World.device_class."""
     old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
     # Ready is the node's word, transition time included; while its Node is gone, ours.
     if node_gone:
@@ -745,6 +748,9 @@ def _device_status(
     elif users:
         reason, used = _in_use([users])
         attached = Cond("True", reason, f"{used}.")
+    elif device_class:  # DRA mode: KubeVirt's allow-list has no entry for it, a claim is the way
+        attached = Cond("False", "Available", f"No claim uses it; claim it with a ResourceClaim request of deviceClassName "
+                                              f"{device_class}, named in a VM's gpus or hostDevices (claimName).")
     else:
         attached = Cond("False", "Available", f"No VirtualMachine uses it; set deviceName {resource} in a VM's hostDevices.")
     return {

@@ -191,6 +191,12 @@ class Reconciler:
         found = _values(self.indices[CLAIMS], allocations.key(npci.node_name, address))
         return tuple(sorted(set(found), key=lambda c: (c.namespace, c.name)))
 
+    def device_class(self, npci: lifecycle.NodeDevice | None) -> str:
+        """DRA mode: the DeviceClass of the device's namespace (controller/deviceclasses.py)."""
+        if CLAIMS not in self.indices or npci is None or not npci.assigned_namespace:
+            return ""
+        return deviceclasses.class_name(npci.assigned_namespace)
+
     def devices_at(self, pool: str, device: str) -> list[str]:
         """The NodePCIDevices an allocation result of (pool, device) names: those of that node at
         that address (one, unless the node reported the address twice with other IDs)."""
@@ -233,6 +239,7 @@ class Reconciler:
             node_present=self.node_present(npci),
             referencing_vms={ns: vms for ns, vms in referencing.items() if vms},
             claims=self.claims_of(npci),
+            device_class=self.device_class(npci),
             now=datetime.datetime.now(datetime.UTC),
             grace=self.grace(),
         )
