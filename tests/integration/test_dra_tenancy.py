@@ -10,6 +10,7 @@ and team-a's claim of the same class gets the GPU.
 
 from __future__ import annotations
 
+import json
 
 import pytest
 from kubernetes_asyncio import client
@@ -265,6 +266,20 @@ async def test_admin_access_to_a_passthrough_class_is_refused(api, webhooks, nam
     assert "adminAccess" in refused.value.message, refused.value.body
     # Without adminAccess the same claim is nothing the webhook is asked about.
     await create_claim(api, namespace, claim("plain", f"passthrough-{namespace}"))
+
+
+async def test_a_claim_of_two_devices_in_one_request_is_admitted_with_a_warning_that_a_vm_cannot_use_it(
+    cluster, webhooks, namespace
+):
+    """KubeVirt gives a VM one device per request: kubectl shows the webhook's warning when the
+    claim is made, not the VM's failure later."""
+    body = claim("pair", f"passthrough-{namespace}", count=2)
+    answer = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(body), check=False)
+    assert answer.returncode == 0, answer.stderr
+    assert (f"Warning: ResourceClaim {namespace}/pair: request gpu asks for more than one device of DeviceClass "
+            f"passthrough-{namespace}; KubeVirt gives a VM exactly one device per request") in answer.stderr, answer.stderr
+    one = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(claim("single", f"passthrough-{namespace}")), check=False)
+    assert one.returncode == 0 and "Warning" not in one.stderr, one.stderr
 
 
 async def _unprepared(kubelet) -> bool:

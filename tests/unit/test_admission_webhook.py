@@ -303,13 +303,33 @@ async def test_the_gpu_nodes_index_holds_only_nodes_in_gpu_mode():
 
 async def test_admin_access_on_a_claim_or_template_is_refused_and_a_malformed_one_is_not_a_traceback():
     spec = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "passthrough-team-a", "adminAccess": True}}]}}
-    user = {"userinfo": {"username": "tenant"}, "meta": {}}
+    user = {"userinfo": {"username": "tenant"}, "meta": {}, "warnings": []}
     with pytest.raises(kopf.AdmissionError, match="asks for adminAccess to DeviceClass passthrough-team-a"):
         await webhook.validate_claim(spec=spec, namespace=NS, name="peek", **user)
     with pytest.raises(kopf.AdmissionError, match="ResourceClaimTemplate team-a/t"):
-        await webhook.validate_claim_template(spec={"spec": spec}, namespace=NS, name="t", userinfo={})
+        await webhook.validate_claim_template(spec={"spec": spec}, namespace=NS, name="t", userinfo={}, warnings=[])
     await webhook.validate_claim(spec={"devices": "x"}, namespace=NS, name="odd", **user)
-    await webhook.validate_claim_template(spec={"spec": 3}, namespace=NS, name="odd", userinfo={})
+    await webhook.validate_claim_template(spec={"spec": 3}, namespace=NS, name="odd", userinfo={}, warnings=[])
+    assert user["warnings"] == []
+
+
+async def test_a_claim_of_several_passthrough_devices_in_one_request_is_admitted_with_a_warning_for_vms():
+    several = {"devices": {"requests": [
+        {"name": "gpus", "exactly": {"deviceClassName": "passthrough-team-a", "count": 2}},
+        {"name": "all", "firstAvailable": [{"name": "every", "deviceClassName": "passthrough-pool.gpu", "allocationMode": "All"}]},
+        {"name": "one", "exactly": {"deviceClassName": "passthrough-team-a", "count": 1}},
+        {"name": "theirs", "exactly": {"deviceClassName": "gpu.example.com", "count": 4}},
+    ]}}  # fmt: skip
+    warnings: list[str] = []
+    await webhook.validate_claim(spec=several, namespace=NS, name="vm", meta={}, userinfo={}, warnings=warnings)
+    assert [w.split(";")[0] for w in warnings] == [
+        "ResourceClaim team-a/vm: request gpus asks for more than one device of DeviceClass passthrough-team-a",
+        "ResourceClaim team-a/vm: request all/every asks for more than one device of DeviceClass passthrough-pool.gpu",
+    ]
+    assert "for a VM, make one request per device" in warnings[0]
+    template: list[str] = []
+    await webhook.validate_claim_template(spec={"spec": several}, namespace=NS, name="t", userinfo={}, warnings=template)
+    assert len(template) == 2 and template[0].startswith("ResourceClaimTemplate team-a/t: request gpus")
     assert webhook.STATUS == "ResourceClaim status"  # the metrics' kind the integration test reads
 
 
@@ -322,7 +342,7 @@ async def test_a_claim_naming_another_namespaces_device_class_is_refused_from_th
 
     index = {"passthrough-team-b": Store()}
     spec = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "passthrough-team-b"}}]}}
-    user = {"userinfo": {"username": "tenant"}, "meta": {}}
+    user = {"userinfo": {"username": "tenant"}, "meta": {}, "warnings": []}
     with pytest.raises(kopf.AdmissionError, match="names DeviceClass passthrough-team-b, which selects the devices of another"):
         await webhook.validate_claim(spec=spec, namespace=NS, name="stolen", device_classes=index, **user)
     await webhook.validate_claim(spec=spec, namespace="team-b", name="own", device_classes=index, **user)

@@ -161,6 +161,28 @@ def requests(devices: Any) -> list[tuple[str, str, bool]]:
     return found
 
 
+def _several(request: Mapping[str, Any]) -> bool:
+    """Whether a request (or subrequest) asks for more than one device: allocationMode All, or a count above 1."""
+    count = request.get("count")
+    return request.get("allocationMode") == "All" or (isinstance(count, int) and not isinstance(count, bool) and count > 1)
+
+
+def several_devices(devices: Any) -> list[tuple[str, str]]:
+    """(request name, deviceClassName) of each request or subrequest that asks for more than one device."""
+    found = []
+    for request in _list(_mapping(devices).get("requests")):
+        request = _mapping(request)
+        name = str(request.get("name") or "")
+        exactly = _mapping(request.get("exactly"))
+        if exactly and _several(exactly):
+            found.append((name, str(exactly.get("deviceClassName") or "")))
+        for sub in _list(request.get("firstAvailable")):
+            sub = _mapping(sub)
+            if _several(sub):
+                found.append((f"{name}/{sub.get('name') or ''}", str(sub.get("deviceClassName") or "")))
+    return found
+
+
 def template_devices(spec: Any) -> Any:
     """A ResourceClaimTemplate's `spec.spec.devices`."""
     return _mapping(_mapping(spec).get("spec")).get("devices")
@@ -183,7 +205,16 @@ def judge_claim(kind: str, namespace: str, name: str, devices: Any, owners: Mapp
             problems.append(f"request {request} asks for adminAccess to DeviceClass {device_class}, which passthrough "
                             "devices do not allow (VFIO gives a device to one VM at a time, and admin access would reach "
                             "devices other claims hold); remove adminAccess")  # fmt: skip
+    who = f"{kind} {namespace}/{name}" if name else f"{kind} in namespace {namespace}"
     if problems:
-        who = f"{kind} {namespace}/{name}" if name else f"{kind} in namespace {namespace}"
         return Verdict(f"{who}: " + "; ".join(problems) + ".")
-    return Verdict()
+    # Admitted, but a VM cannot use such a request: KubeVirt (1.9) takes exactly one device per
+    # request a VM's gpus or hostDevices name, and refuses to start the VM otherwise. A pod that
+    # uses vfio itself may want several, so this is a warning, not a refusal.
+    warnings = tuple(
+        f"{who}: request {request} asks for more than one device of DeviceClass {device_class}; KubeVirt gives a VM "
+        "exactly one device per request it names (gpus[].requestName, hostDevices[].requestName) and does not start "
+        "a VM that names this one: for a VM, make one request per device"
+        for request, device_class in several_devices(devices) if passthrough_class(device_class)
+    )  # fmt: skip
+    return Verdict(warnings=warnings)

@@ -230,16 +230,18 @@ def _owners(devices: Any, index: Mapping[str, Any] | None) -> dict[str, str]:
 
 @kopf.on.validate("resource.k8s.io", "v1", "resourceclaims", id=CLAIM, operations=["CREATE", "UPDATE"])
 async def validate_claim(
-    spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, userinfo: dict[str, Any], **kwargs: Any,
+    spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, warnings: list[str], userinfo: dict[str, Any], **kwargs: Any,
 ) -> None:  # fmt: skip
     devices = dict(spec).get("devices")
     owners = _owners(devices, kwargs.get(DEVICE_CLASSES))
     verdict = claims.judge_claim("ResourceClaim", namespace, name or meta.get("generateName", ""), devices, owners)
-    _answer("ResourceClaim", verdict, [], userinfo)
+    _answer("ResourceClaim", verdict, warnings, userinfo)
 
 
 @kopf.on.validate("resource.k8s.io", "v1", "resourceclaimtemplates", id=CLAIM_TEMPLATE, operations=["CREATE", "UPDATE"])
-async def validate_claim_template(spec: kopf.Spec, namespace: str, name: str, userinfo: dict[str, Any], **kwargs: Any) -> None:
+async def validate_claim_template(
+    spec: kopf.Spec, namespace: str, name: str, warnings: list[str], userinfo: dict[str, Any], **kwargs: Any,
+) -> None:  # fmt: skip
     devices = claims.template_devices(dict(spec))
     verdict = claims.judge_claim("ResourceClaimTemplate", namespace, name, devices, _owners(devices, kwargs.get(DEVICE_CLASSES)))
-    _answer("ResourceClaimTemplate", verdict, [], userinfo)
+    _answer("ResourceClaimTemplate", verdict, warnings, userinfo)
