@@ -1,4 +1,4 @@
-"""The vendored DRA kubelet-plugin protos and their generated code: upstream's (k8s.io/kubelet of
+"""The vendored DRA kubelet-plugin protos (DRAPlugin, Registration, DRAResourceHealth) and their generated code: upstream's (k8s.io/kubelet of
 the control plane's release), field for field, and not stale. The same checks as the device-plugin
 protos' (`test_deviceplugin_proto`), over the codegen's second target."""
 
@@ -47,6 +47,24 @@ def test_the_dra_services_we_serve_are_there():
     assert dra["messages"][".k8s.io.kubelet.pkg.apis.dra.v1.NodePrepareResourcesResponse.ClaimsEntry"]["map_entry"]
     registration = _shape(_generated(codegen.DRA_PROTOS[1]))
     assert [m["name"] for m in registration["services"]["Registration"]] == ["GetInfo", "NotifyRegistrationStatus"]
+
+
+def test_the_health_service_is_the_one_the_kubelet_prefers_and_streams():
+    health = _shape(_generated(codegen.DRA_PROTOS[2]))
+    # The kubelet of 1.37 picks "v1.DRAResourceHealth" before "v1alpha1.DRAResourceHealth" from
+    # the registration's supported versions, and calls /v1.DRAResourceHealth/NodeWatchResources.
+    assert health["package"] == "v1"
+    [watch] = health["services"]["DRAResourceHealth"]
+    assert watch["name"] == "NodeWatchResources" and watch["server_streaming"] and not watch["client_streaming"]
+    assert health["enums"][".v1.HealthStatus"] == [("UNKNOWN", 0), ("HEALTHY", 1), ("UNHEALTHY", 2)]
+
+
+def test_every_generated_module_loads_into_one_descriptor_pool():
+    """podresources and DRAResourceHealth are both proto package `v1`: their names must not clash
+    in protobuf's process-wide pool (the agent imports both)."""
+    code = "; ".join(f"import {p.module}_grpc" for p in codegen.ALL_PROTOS)
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr
 
 
 def test_both_targets_are_generated_by_one_codegen(tmp_path):

@@ -1,7 +1,8 @@
 """Vendor the kubelet's gRPC protos from the k8s.io/kubelet Go module and generate their Python code.
 
 Two targets, one codegen: the device-plugin protos here (`PROTOS`), and the DRA kubelet
-plugin's under `passthrough/dra/kubeletapi` (`DRA_PROTOS`). `make protos` regenerates the
+plugin's under `passthrough/dra/kubeletapi` (`DRA_PROTOS`: DRAPlugin, Registration and
+DRAResourceHealth). `make protos` regenerates the
 checked-in *_pb2.py, *_pb2.pyi and *_pb2_grpc.py of both from the vendored api.proto files; `python -m passthrough.deviceplugin.kubeletapi.codegen --vendor
 v0.X.Y` first refreshes those files from the Go module (the Go module proxy, through `go`).
 Tests use the same functions, so the checked-in code is exactly what these commands write.
@@ -9,7 +10,7 @@ Tests use the same functions, so the checked-in code is exactly what these comma
 The protos are compiled with the repository's `operator/` folder as the include root: the
 generated code then imports its siblings as `passthrough.deviceplugin.kubeletapi...`, and
 the descriptors get file names that cannot clash with another library's `api.proto` in
-protobuf's process-wide descriptor pool (both upstream files are called api.proto).
+protobuf's process-wide descriptor pool (every upstream file is called api.proto).
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ PROTOS = (
 
 DRA_HOME = HERE.parents[1] / "dra" / "kubeletapi"
 # The kubelet of 1.37 speaks DRA v1 (and v1beta1, which it converts); plugins register through
-# the kubelet's plugin watcher (pluginregistration v1), as CSI drivers do.
+# the kubelet's plugin watcher (pluginregistration v1), as CSI drivers do. Device health
+# (KEP-4680): the kubelet of 1.37 prefers DRAResourceHealth v1 and still takes v1alpha1, which v1
+# supersedes; we serve v1.
 DRA_PROTOS = (
     VendoredProto("dra_v1", "pkg/apis/dra/v1/api.proto", DRA_HOME),
     VendoredProto("pluginregistration_v1", "pkg/apis/pluginregistration/v1/api.proto", DRA_HOME),
+    VendoredProto("drahealth_v1", "pkg/apis/dra-health/v1/api.proto", DRA_HOME),
 )
 ALL_PROTOS = PROTOS + DRA_PROTOS
 
