@@ -34,8 +34,9 @@ controlplane: venv
 	$(PY) -m e2e.build
 
 ## The main job: local control plane, CRDs, operator and simulated nodes. Ctrl-C stops all.
+## `make run DRA=1`: in DRA mode (the agents publish ResourceSlices, pods take devices through claims).
 run: controlplane
-	$(TESTNS) $(PY) -m e2e.devcluster
+	$(TESTNS) $(PY) -m e2e.devcluster $(if $(filter-out 0,$(DRA)),--dra)
 
 ## The real-kernel rig (e2e/guest): Debian's qemu-system-x86 and busybox-static when missing, and
 ## the 6.1 and 6.12 kernels unpacked into the cache. Where that fails the real-kernel tests skip,

@@ -15,17 +15,27 @@ ValidatingWebhookConfiguration, so a pod or VM naming another namespace's device
 Each node's tree has a simulated kernel (`e2e.fakekernel`) that reacts to the vfio-pci bind
 sequence as the real one does.
 
+With `--dra` (`make run DRA=1`) the cluster is in DRA mode, as the chart's
+`agent.devicePlugin.dra=true` makes it: the PassthroughConfig has `spec.dra.enabled`, the
+operator runs `--dra` (a DeviceClass `passthrough-<namespace>` per namespace with devices) and
+its claim webhooks are registered, and each agent is a DRA driver instead of device plugins.
+The GPU node's driver registers with its real kubelet, publishes the node's ResourceSlice, and
+hands a claim's container its `/dev/vfio` nodes through CDI specs under the kubelet's
+`/var/run/cdi`; the fake runtime records the CDI device names each CreateContainer got.
+
 Everything runs in the foreground; Ctrl-C stops it all and leaves no process behind.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +62,30 @@ CONFIG = {
     "metadata": {"name": "cluster"},
     "spec": {"kubevirt": {"name": "kubevirt", "namespace": "kubevirt"}},
 }
+DRA_CHART = "--set=agent.devicePlugin.dra=true"  # the chart's switch: its DRA webhooks too
+
+
+def config(dra: bool) -> dict:
+    """The `cluster` PassthroughConfig as the chart renders it, `spec.dra.enabled` from the switch."""
+    return {**CONFIG, "spec": {**CONFIG["spec"], "dra": {"enabled": dra}}}
+
+
+def agent_serving_args(dra: bool, host_root: Path, node_kubelet: kubelet.KubeletNode | None, sockets: Path) -> list[str]:
+    """How a node's agent serves its devices: device plugins (to the kubelet where one runs), or
+    with `dra` a DRA driver whose registration and CDI specs go where the kubelet and its
+    runtime look. On a node without a kubelet the driver still publishes its slice (nobody
+    prepares a claim there); its sockets go under `sockets`, a short directory, since a path
+    in the fixture tree may pass the 107 bytes of a unix socket's path."""
+    if node_kubelet is not None:
+        plugin_dir, pod_resources = node_kubelet.device_plugin_dir, node_kubelet.pod_resources_socket
+        kubelet_dir, cdi_dir = node_kubelet.root_dir, node_kubelet.var_dir / "run" / "cdi"
+    else:
+        plugin_dir, pod_resources = host_root / "device-plugins", host_root / "pod-resources.sock"
+        kubelet_dir, cdi_dir = sockets, host_root / "cdi"
+    args = [f"--device-plugin-dir={plugin_dir}", f"--pod-resources-socket={pod_resources}"]
+    if dra:
+        args += ["--dra", f"--kubelet-dir={kubelet_dir}", f"--cdi-dir={cdi_dir}"]
+    return args
 
 
 def _spawn(name: str, args: list[str], logs: Path) -> subprocess.Popen:
@@ -73,7 +107,28 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def main() -> int:
+def _wait_until(check, what: str, children: dict[str, subprocess.Popen], logs: Path, timeout: float = 60) -> None:
+    """Poll `check` until it holds; a child that exits meanwhile, or the timeout, is an error
+    that names the log to read."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        for name, proc in children.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}); see {logs / name}.log")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} in {timeout:.0f}s; see {logs}")
+        time.sleep(0.3)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m e2e.devcluster", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dra", action="store_true",
+                        help="DRA mode: agents publish ResourceSlices and prepare claims instead of serving device plugins")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     started = time.monotonic()
     if WORKDIR.exists():
         shutil.rmtree(WORKDIR)
@@ -81,6 +136,8 @@ def main() -> int:
     cluster = LocalCluster(workdir=WORKDIR, bin_dir=build.ensure_binaries())
     children: dict[str, subprocess.Popen] = {}
     services: list = []  # the kube-scheduler and the GPU node's kubelet, when they run
+    gpu_kubelet: kubelet.KubeletNode | None = None
+    sockets = Path(tempfile.mkdtemp(prefix="ptdev", dir="/tmp"))  # a kubelet-less node's DRA sockets
     stopping = False
 
     def stop(*_: object) -> None:
@@ -97,13 +154,15 @@ def main() -> int:
         _say(f"control plane ready at {cluster.server} ({time.monotonic() - started:.1f}s)")
         cluster.kubectl("create", "namespace", "kubevirt")
         cluster.kubectl("apply", "-f", "-", input=json.dumps(KUBEVIRT))
-        cluster.kubectl("apply", "-f", "-", input=json.dumps(CONFIG))
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(config(args.dra)))
 
         logs = WORKDIR / "logs"
         # The admission webhooks on 127.0.0.1, registered from the chart's own configuration.
         serving = WebhookServing(WORKDIR / "webhook-tls")
-        children["operator"] = _spawn("operator", ["operator", f"--kubeconfig={cluster.kubeconfig}", *serving.args()], logs)
-        cluster.kubectl("create", "-f", "-", input=json.dumps(chart.webhook_configuration(chart.helm(WORKDIR / "helm"), serving)))
+        dra_flags = ["--dra"] if args.dra else []
+        children["operator"] = _spawn("operator", ["operator", f"--kubeconfig={cluster.kubeconfig}", *serving.args(), *dra_flags], logs)
+        hooks = chart.webhook_configuration(chart.helm(WORKDIR / "helm"), serving, *([DRA_CHART] if args.dra else []))
+        cluster.kubectl("create", "-f", "-", input=json.dumps(hooks))
         no_kubelet = kubelet.why_unavailable(cluster)
         if no_kubelet:
             _say(f"left the kubelet out: {no_kubelet}; the GPU node is a Node object only")
@@ -113,13 +172,12 @@ def main() -> int:
             host = make(WORKDIR / "nodes" / node)
             # The node's simulated kernel: the agent's vfio-pci binds move the tree's driver links.
             children[f"kernel-{node}"] = _spawn_module(f"kernel-{node}", ["e2e.fakekernel", str(host.root)], logs)
-            plugin_dir, pod_resources = host.root / "device-plugins", host.root / "pod-resources.sock"
+            node_kubelet = None
             if node == GPU_NODE and not no_kubelet:
-                # A real kubelet: the agent's device plugins register with it, pods get the devices.
-                node_kubelet = kubelet.KubeletNode(cluster, node, labels={GPU_MODE_LABEL: "true"})
+                # A real kubelet: the agent's device plugins (or DRA driver) register with it, pods get the devices.
+                node_kubelet = gpu_kubelet = kubelet.KubeletNode(cluster, node, labels={GPU_MODE_LABEL: "true"})
                 services.append(node_kubelet)
                 node_kubelet.start()
-                plugin_dir, pod_resources = node_kubelet.device_plugin_dir, node_kubelet.pod_resources_socket
             else:
                 labels = {GPU_MODE_LABEL: "true"} if node == GPU_NODE else {}
                 cluster.kubectl("apply", "-f", "-", input=json.dumps(
@@ -128,19 +186,17 @@ def main() -> int:
                 f"agent-{node}",
                 ["agent", f"--node-name={node}", f"--kubeconfig={cluster.kubeconfig}", f"--sysfs-root={host.sysfs}",
                  f"--proc-root={host.proc}", f"--dev-root={host.dev}", f"--pci-ids={PCI_IDS}", "--no-hotplug",
-                 f"--device-plugin-dir={plugin_dir}", f"--pod-resources-socket={pod_resources}",
+                 *agent_serving_args(args.dra, host.root, node_kubelet, sockets / node),
                  f"--state-dir={host.root / 'state'}"],
                 logs,
             )  # fmt: skip
 
-        deadline = time.monotonic() + 60
-        while len(cluster.kubectl("get", "npci", "-o", "name").stdout.split()) < EXPECTED_DEVICES:
-            for name, proc in children.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({proc.returncode}); see {logs / name}.log")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the agents did not report {EXPECTED_DEVICES} devices in 60s; see {logs}")
-            time.sleep(0.3)
+        def listed(kind: str) -> int:
+            return len(cluster.kubectl("get", kind, "-o", "name").stdout.split())
+
+        _wait_until(lambda: listed("npci") >= EXPECTED_DEVICES, f"the agents' {EXPECTED_DEVICES} devices", children, logs)
+        if args.dra:
+            _wait_until(lambda: listed("resourceslices") >= len(NODES), "a ResourceSlice of each node", children, logs)
         time.sleep(1)  # let the operator write the first conditions
 
         gpu = next(
@@ -152,6 +208,9 @@ def main() -> int:
         _say("")
         _say(f"$ kubectl get npci   (ready in {time.monotonic() - started:.1f}s)")
         _say(cluster.kubectl("get", "npci").stdout)
+        if args.dra:
+            _say("$ kubectl get resourceslices")
+            _say(cluster.kubectl("get", "resourceslices").stdout)
         _say("Use the cluster from another shell:")
         _say(f"  export KUBECONFIG={cluster.kubeconfig}")
         _say(f"  alias kubectl={kubectl}")
@@ -159,7 +218,13 @@ def main() -> int:
         _say("  kubectl create namespace team-a")
         _say(f"  kubectl patch npci {gpu} --type=merge -p '{{\"spec\":{{\"assignedNamespace\":\"team-a\"}}}}'")
         _say("  kubectl get pci -n team-a")
-        if not no_kubelet:
+        if args.dra:
+            _say("  kubectl get deviceclass passthrough-team-a              # the operator's class for team-a's devices")
+            _say("  kubectl get resourceslice -o yaml                       # the node's slice: passthrough.io/namespace=team-a")
+            if gpu_kubelet is not None:
+                _say("  # a claim of class passthrough-team-a and a pod using it: the container gets CDI devices; see README")
+                _say(f"  # the fake runtime's record of each container: {gpu_kubelet.containers_file}")
+        elif not no_kubelet:
             _say(f"  kubectl get node {GPU_NODE} -o jsonpath='{{.status.allocatable}}'   # the pool, then passthrough.io/<name>")
             _say("  # a pod asking for passthrough.io/<name> gets PCI_RESOURCE_PASSTHROUGH_IO_<NAME>=<address>: see README")
         _say("  kubectl get passthroughconfig cluster -o yaml        # what was applied to KubeVirt, and mismatches")
@@ -191,6 +256,7 @@ def main() -> int:
         for service in reversed(services):
             service.stop()
         cluster.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
         _say("stopped")
 
 
