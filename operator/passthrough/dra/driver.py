@@ -4,13 +4,19 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
 
 - Registration: a socket in `<kubelet dir>/plugins_registry/`, which the kubelet's plugin watcher
   finds and asks GetInfo (type DRAPlugin, our driver name, the endpoint, the gRPC services we
-  serve: `v1.DRAPlugin`); it survives kubelet restarts, which find it again.
-- The DRAPlugin service on `<kubelet dir>/plugins/<driver>/dra.sock`.
+  serve: `v1.DRAPlugin`, `v1.DRAResourceHealth`); it survives kubelet restarts, which find it again.
+- The DRAPlugin and DRAResourceHealth services on `<kubelet dir>/plugins/<driver>/dra.sock`. The
+  kubelet opens the health stream because registration lists it; it shows what we send on the
+  pods that hold a device (`status.containerStatuses[].allocatedResourcesStatus`).
 - A pass (at start, every rescan interval, when an assignment or our slice changes, on trigger):
   discovery (`pci.discovery`, as the agent's scan), the hand-outs from the node's NodePCIDevices
   (`agent.report.handed_out`), the slice (`dra.slice`) written only when it differs; then the
   groups this driver bound that no published device and no prepared claim needs go back to their
   drivers.
+- Health: every 0.5 s, the hardware of each device offered, withdrawn or held by a prepared
+  claim (`pci.health.Health.hardware_problem`). An ill one leaves the slice (no new claim gets
+  it) and is reported Unhealthy, with why, to the kubelet (the claims that hold it learn); back
+  in the slice and Healthy when it recovers (`dra.health`).
 - Prepare: the same binder child as the device plugins (`pci.binder.Binder`); what it moved is
   recorded (`agent.bound.Bound`, in the plugin directory) so only that is ever given back.
   Prepared claims are kept in `checkpoint.json` there: a repeated prepare (kubelet retry or
@@ -28,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,9 +48,11 @@ from passthrough.agent.bound import Bound
 from passthrough.api.labels import NODE_LABEL
 from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
 from passthrough.dra import cdi
+from passthrough.dra import health as dra_health
 from passthrough.dra import slice as dra_slice
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
+from passthrough.dra.kubeletapi.drahealth_v1 import api_pb2_grpc as health_grpc
 from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2 as reg
 from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2_grpc as reg_grpc
 from passthrough.kube.cache import Mirror
@@ -61,7 +70,9 @@ log = logging.getLogger(__name__)
 DRIVER = dra_slice.DRIVER
 KUBELET_DIR = Path("/var/lib/kubelet")
 CDI_DIR = Path("/var/run/cdi")
-SERVICES = ("v1.DRAPlugin",)  # "<gRPC package's last part>.<service>", as the kubelet matches them
+# "<gRPC package's last part>.<service>", as the kubelet matches them; it streams health only
+# from a plugin that lists the health service here.
+SERVICES = ("v1.DRAPlugin", dra_health.SERVICE)
 PLUGIN_TYPE = "DRAPlugin"
 CHECKPOINT = "checkpoint.json"
 RETRY = 5.0  # seconds before the next pass after a failed one
@@ -80,7 +91,7 @@ class PreparedClaim:
     files: list[str] = field(default_factory=list)  # CDI specs and metadata files written for it
 
 
-class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
+class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, reg_grpc.RegistrationServicer):
     def __init__(
         self,
         api: Any,
@@ -115,6 +126,9 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         self.inventory: dict[str, dra_slice.Published] = {}  # slice device name -> what it is, as last published
         self.health = Health(self.sysfs_root, self.dev_root)
         self.unhealthy: dict[str, str] = {}  # address -> why, of devices withdrawn from the slice for their health
+        self.device_health: dict[str, str] = {}  # slice device name -> its problem ("" = fine), as the kubelet hears it
+        self._health_changed = asyncio.Event()  # set (and replaced) when device_health changes
+        self._closing = asyncio.Event()  # set at shutdown: health streams end
         self._candidates: dict[str, int] = {}  # address -> IOMMU group, of what the last pass would publish
         self.discovery: Discovery | None = None
         self.prepared: dict[str, PreparedClaim] = self._load()
@@ -135,15 +149,18 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
     # -- serving ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Serve the DRAPlugin service, then the registration socket (the kubelet dials the
-        endpoint as soon as it sees the registration)."""
+        """Serve the DRAPlugin and health services, then the registration socket (the kubelet
+        dials the endpoint as soon as it sees the registration)."""
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self.registration_socket.parent.mkdir(parents=True, exist_ok=True)
-        for path, add in ((self.endpoint, dra_grpc.add_DRAPluginServicer_to_server),
-                          (self.registration_socket, reg_grpc.add_RegistrationServicer_to_server)):  # fmt: skip
+        self._closing.clear()
+        for path, adds in ((self.endpoint, (dra_grpc.add_DRAPluginServicer_to_server,
+                                            health_grpc.add_DRAResourceHealthServicer_to_server)),
+                           (self.registration_socket, (reg_grpc.add_RegistrationServicer_to_server,))):  # fmt: skip
             path.unlink(missing_ok=True)
             server = grpc.aio.server()
-            add(self, server)
+            for add in adds:
+                add(self, server)
             try:
                 server.add_insecure_port(f"unix://{path}")
                 await server.start()
@@ -154,6 +171,7 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         log.info("DRA driver %s serving on %s, registration at %s", DRIVER, self.endpoint, self.registration_socket)
 
     async def close(self) -> None:
+        self._closing.set()  # health streams end with OK within the grace below, not cut off
         for server in self._servers:
             await server.stop(0.2)
         self._servers.clear()
@@ -261,9 +279,14 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         return writes
 
     def _judge_health(self) -> bool:
-        """Read the health of every device a pass would publish; True when it changed. An
-        unhealthy device is withdrawn from the slice (no new claim gets it) until it recovers."""
-        found = {a: why for a, group in self._candidates.items() if (why := self.health.hardware_problem(a, group))}
+        """Read the health of every device a pass would publish or a prepared claim holds; True
+        when the slice's share of it changed. An unhealthy device is withdrawn from the slice (no
+        new claim gets it) until it recovers; the kubelet hears of every change (`_report_health`)."""
+        watched = dra_health.watched(self._candidates, self._prepared_devices(), self.node_name)
+        problems = {name: self.health.hardware_problem(address, group) for name, (address, group) in watched.items()}
+        self._report_health(problems)
+        found = {address: problems[name] for name, (address, _) in watched.items()
+                 if problems[name] and address in self._candidates}  # fmt: skip
         if found == self.unhealthy:
             return False
         for address, why in found.items():
@@ -278,8 +301,34 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
         """Between passes: a device that falls ill (or recovers) asks for a pass at once."""
         while True:
             await asyncio.sleep(HEALTH_POLL)
-            if self._candidates and self._judge_health():
+            if self._judge_health():
                 self.trigger()
+
+    def _prepared_devices(self) -> list[dict[str, Any]]:
+        return [device for claim in self.prepared.values() for device in claim.devices]
+
+    def _report_health(self, problems: dict[str, str]) -> None:
+        """Keep what the kubelet hears; wake its streams when that changed."""
+        if problems == self.device_health:
+            return
+        for name in sorted(problems.keys() & self.device_health.keys()):
+            if bool(problems[name]) != bool(self.device_health[name]):
+                log.info("telling the kubelet %s is %s", name, f"unhealthy: {problems[name]}" if problems[name] else "healthy")
+        self.device_health = problems
+        self._health_changed.set()
+        self._health_changed = asyncio.Event()
+
+    # -- the DRAResourceHealth service -----------------------------------------------------------
+
+    async def NodeWatchResources(self, request, context):
+        """The kubelet's health stream: every device's health at once, then again on each change
+        and every `dra_health.RESEND` seconds (the kubelet counts a device it has not heard of
+        within the timeout as Unknown); ends with OK when the driver shuts down."""
+        log.info("the kubelet watches the health of %d device(s)", len(self.device_health))
+        while not self._closing.is_set():
+            changed = self._health_changed
+            yield dra_health.response(self.node_name, self.device_health, time.time())
+            await _first(changed, self._closing, timeout=dra_health.RESEND)
 
     async def _give_back(self, published: list[dra_slice.Published], keep: list[dra_slice.Published] = ()) -> None:
         """Groups this driver bound that nothing published and no prepared claim needs: back to
@@ -444,6 +493,16 @@ class Driver(dra_grpc.DRAPluginServicer, reg_grpc.RegistrationServicer):
 
     def _save(self) -> None:
         _write(self.plugin_dir / CHECKPOINT, json.dumps({uid: asdict(c) for uid, c in self.prepared.items()}, indent=2))
+
+
+async def _first(*events: asyncio.Event, timeout: float) -> None:
+    """Until one of `events` is set, or `timeout` seconds pass."""
+    waits = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            task.cancel()
 
 
 class PrepareError(RuntimeError):

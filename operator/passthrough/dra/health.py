@@ -1,0 +1,53 @@
+"""What the DRA driver tells the kubelet of its devices' health (KEP-4680, the DRAResourceHealth
+stream): which devices it speaks for, and the report it sends. Pure; the driver reads the hardware.
+
+The kubelet takes each report as the driver's whole list: a device left out of it, or not
+reported again within the timeout, reads as Unknown on the pods that hold it. So every report
+names every device a claim may hold here, and the driver sends it again well within the timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from passthrough.dra.kubeletapi.drahealth_v1 import api_pb2 as health
+from passthrough.dra.slice import device_name
+
+SERVICE = health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name  # "v1.DRAResourceHealth", as registration lists it
+TIMEOUT = 30  # seconds the kubelet trusts a report for (its default, said out loud)
+RESEND = 10.0  # seconds between reports when nothing changes: well within TIMEOUT
+MESSAGE_MAX = 1024  # the kubelet cuts a longer message
+
+
+def watched(candidates: Mapping[str, int], prepared: Iterable[Mapping[str, Any]], pool: str) -> dict[str, tuple[str, int]]:
+    """Slice device name -> (PCI address, IOMMU group) of every device whose health the kubelet
+    hears: those the slice offers or withdrew for their health (`candidates`, address -> group),
+    and those a prepared claim holds (a device unassigned or gone from the bus since is still in
+    a pod; `prepared`: their devices as the checkpoint keeps them)."""
+    found = {device_name(address): (address, group) for address, group in candidates.items()}
+    for device in prepared:
+        if device.get("pool") == pool and device.get("name") and device.get("address"):
+            found.setdefault(device["name"], (device["address"], int(device.get("iommu_group", -1))))
+    return found
+
+
+def response(pool: str, problems: Mapping[str, str], now: float) -> health.NodeWatchResourcesResponse:
+    """The report: each device (name -> its problem, "" when fine) Healthy, or Unhealthy with
+    the problem as its message; `now`: Unix time of the reading."""
+    return health.NodeWatchResourcesResponse(
+        devices=[
+            health.DeviceHealth(
+                device=health.DeviceIdentifier(pool_name=pool, device_name=name),
+                health=health.UNHEALTHY if problem else health.HEALTHY,
+                last_updated_time=int(now),
+                health_check_timeout_seconds=TIMEOUT,
+                message=_cut(problem),
+            )
+            for name, problem in sorted(problems.items())
+        ]
+    )
+
+
+def _cut(message: str) -> str:
+    return message if len(message) <= MESSAGE_MAX else message[: MESSAGE_MAX - 3] + "..."
