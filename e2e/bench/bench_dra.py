@@ -343,9 +343,9 @@ def main() -> int:
         local = cluster.start(root / "controlplane")
         try:
             reason = kubelet.why_unavailable(local)
-            if reason:
-                print(f"cannot run: {reason} (the DRA path needs the real kubelet)")
-                return 1
+            if reason:  # said, not failed: `make bench` goes on with the other scripts
+                print(f"no figures: {reason} (both paths need the real kubelet)")
+                return 0
             asyncio.run(bench(local, root, args))
         finally:
             local.stop()
