@@ -38,7 +38,9 @@ What each figure means:
   it (resource.k8s.io/v1 takes at most 128 devices in one slice, and the driver writes one slice
   per node), what it said, and the size of the first 128 devices' slice.
 
-Everything runs on loopback over fixture trees; nothing is written to the host's /sys or /dev.
+Where the real kubelet cannot run (not root, no binaries), one line says why and nothing is
+measured. Everything runs on loopback over fixture trees; nothing is written to the host's
+/sys or /dev.
 Nothing is asserted: the figures are printed, with the agent logs' warnings.
 """
 
