@@ -29,6 +29,7 @@ API_VERSION = "resource.k8s.io/v1"
 PLURAL = "resourceslices"
 STRING_MAX = 64  # a string attribute's value, at most (the API server refuses longer)
 NAME_MAX = 253
+MAX_DEVICES = 128  # devices in one ResourceSlice, at most (resource.k8s.io/v1 refuses more)
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,15 @@ def device_name(address: str) -> str:
     return "pci-" + address.lower().replace(":", "-").replace(".", "-")
 
 
-def slice_name(node_name: str) -> str:
-    """One slice per node, named for it and the driver (a hash where that would be too long)."""
-    name = f"{node_name}-{DRIVER}"
+def slice_name(node_name: str, index: int = 0) -> str:
+    """The node's slices, named for it and the driver (a hash where that would be too long): the
+    first `<node>-pci.passthrough.io`, the others (a node with more than MAX_DEVICES to offer)
+    with `-<index>` after it."""
+    suffix = f"-{index}" if index else ""
+    name = f"{node_name}-{DRIVER}{suffix}"
     if len(name) <= NAME_MAX:
         return name
-    return f"{DRIVER}-{hashlib.sha1(node_name.encode()).hexdigest()}"
+    return f"{DRIVER}-{hashlib.sha1(node_name.encode()).hexdigest()}{suffix}"
 
 
 def publishable(
@@ -111,15 +115,53 @@ def spec(node_name: str, published: Iterable[Published]) -> dict[str, Any]:
     }
 
 
+def specs(node_name: str, published: Iterable[Published], at_least: int = 1) -> list[dict[str, Any]]:
+    """The node's pool as slices of at most MAX_DEVICES devices each, in device-name order, and at
+    least `at_least` of them (the count the live pool has: the agent may not delete a slice, so a
+    pool never shrinks; a slice left over is written empty). Each says how many the pool has."""
+    items = sorted(published, key=lambda p: p.name)
+    count = max(1, at_least, -(-len(items) // MAX_DEVICES))
+    chunks = [items[i * MAX_DEVICES:(i + 1) * MAX_DEVICES] for i in range(count)]
+    return [{**spec(node_name, chunk), "pool": {"name": node_name, "resourceSliceCount": count}} for chunk in chunks]
+
+
+def live_count(live: dict[str, Any] | None) -> int:
+    """How many slices the live pool says it has (from its first slice; 1 when unknown)."""
+    count = ((((live or {}).get("spec") or {}).get("pool") or {}).get("resourceSliceCount"))
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
+
+
+def _generation(live: dict[str, Any] | None) -> int:
+    found = (((live or {}).get("spec") or {}).get("pool") or {}).get("generation")
+    return found if isinstance(found, int) and not isinstance(found, bool) else 0
+
+
+def pool_changed(desired: list[dict[str, Any]], live: list[dict[str, Any] | None], node_uid: str) -> bool:
+    """Whether any slice of the pool differs from what we write, or the live ones disagree on the
+    pool's generation (a pass that wrote some of them and not the others)."""
+    return (len(live) != len(desired) or any(changed(d, l, node_uid) for d, l in zip(desired, live))
+            or len({_generation(l) for l in live}) > 1)  # fmt: skip
+
+
+def pool_bodies(node_name: str, node_uid: str, desired: list[dict[str, Any]], live: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Every slice of the pool to apply, all with one generation past the newest live one: the
+    scheduler reads only a pool's newest generation, and only once it has all its slices."""
+    generation = max((_generation(l) for l in live), default=0) + 1
+    return [_body(slice_name(node_name, i), node_name, node_uid, d, generation) for i, d in enumerate(desired)]
+
+
 def body(node_name: str, node_uid: str, desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
     """The whole object to apply: `desired` (from `spec`), the pool's generation one past the live
     one, owned by the Node (a deleted Node takes its slice along, as the kubelet's helper does)."""
-    generation = int((((live or {}).get("spec") or {}).get("pool") or {}).get("generation") or 0) + 1
+    return _body(slice_name(node_name), node_name, node_uid, desired, _generation(live) + 1)
+
+
+def _body(name: str, node_name: str, node_uid: str, desired: dict[str, Any], generation: int) -> dict[str, Any]:
     return {
         "apiVersion": API_VERSION,
         "kind": "ResourceSlice",
         "metadata": {
-            "name": slice_name(node_name),
+            "name": name,
             "labels": {NODE_LABEL: node_name},
             "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}],
         },
