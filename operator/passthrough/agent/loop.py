@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from passthrough.kube.watch import watch_events
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 from passthrough.pci.pciids import PciIds
+from passthrough.pci.vfio import BindError
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,11 @@ class Agent:
         self.handover = handover
         self.virtual_functions = virtual_functions  # SR-IOV VFs reported too (an admin's opt-in)
         self.start_jitter = start_jitter
+        # DRA mode (no handover): the DRA driver's answer of which devices other servers have
+        # (`Driver.elsewhere`), reported as the device-plugin mode's `others` are, and whom to
+        # tell when the node's extended resources change (another device plugin came or went).
+        self.other_servers: Callable[[], Mapping[str, BindError]] | None = None
+        self.on_served_change: Callable[[], None] | None = None
         if handover is not None:
             handover.on_change = self.trigger  # a late write returned, or a served device's health flipped
             handover.admit = self.admit
@@ -219,8 +226,11 @@ class Agent:
             if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
                 self._node_labels = labels
                 self.trigger()
-            elif self.handover is not None and served is not None and names != served:
-                self.trigger()
+            elif served is not None and names != served:
+                if self.handover is not None:
+                    self.trigger()
+                if self.on_served_change is not None:
+                    self.on_served_change()
             served = names
 
         await self._keep_watching(f"Node {self.node_name}", "/api/v1/nodes", f"metadata.name={self.node_name}", seen)
@@ -309,6 +319,8 @@ class Agent:
         outcome = Outcome()
         if self.handover is not None:
             discovery, outcome = await self._hand_over(discovery)
+        elif self.other_servers is not None:
+            outcome.others = dict(self.other_servers())
         names: dict[str, str] = {}  # address -> object name, of the devices found
         jobs = []
         for device in discovery.devices:

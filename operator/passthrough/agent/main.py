@@ -69,6 +69,9 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
                             agent.pci_ids, Path(args.kubelet_dir), Path(args.cdi_dir), rescan, args.sriov_virtual_functions,
                             deadline)  # fmt: skip
             loop.add_signal_handler(signal.SIGHUP, lambda: (agent.trigger(), driver.trigger()))
+            # One server per device: what the driver finds other servers have, the agent reports.
+            agent.other_servers, agent.on_served_change = (lambda: driver.elsewhere), driver.trigger
+            driver.on_elsewhere_change = agent.trigger
             tasks.append(asyncio.create_task(supervised("DRA driver", driver.run), name="dra"))
         if args.hotplug:
             tasks.append(asyncio.create_task(supervised("hotplug listener", lambda: uevent.listen(agent.trigger)), name="uevents"))

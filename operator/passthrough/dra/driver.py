@@ -24,6 +24,10 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
 - The node's guarantee, kept here too: a device handed out to namespace X is prepared only for a
   claim of X, whatever the scheduler allocated (the webhook and per-namespace DeviceClasses are
   the first gates; this is the last).
+- One device, one server (`dra.others`): each pass asks the kubelet's PodResources which devices
+  device plugins serve (in DRA mode none of theirs is ours) and reads the other DRA drivers'
+  slices of this node (a watch); such a device and its IOMMU group leave the slice, are never
+  prepared or bound, and the agent's report says ServedByOtherPlugin (`elsewhere`).
 """
 
 from __future__ import annotations
@@ -45,10 +49,13 @@ import grpc
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.bound import Bound
+from passthrough.agent.handover import served_elsewhere
 from passthrough.api.labels import NODE_LABEL
 from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
+from passthrough.deviceplugin.podresources import PodResourcesUnavailable, view as kubelet_view
 from passthrough.dra import cdi
 from passthrough.dra import health as dra_health
+from passthrough.dra import others as dra_others
 from passthrough.dra import slice as dra_slice
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
@@ -58,6 +65,7 @@ from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2_grpc as reg
 from passthrough.kube.cache import Mirror
 from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
 from passthrough.kube.custom import AGENT_MANAGER, Custom
+from passthrough.kube.watch import watch_events
 from passthrough.pci.binder import DEADLINE, Binder
 from passthrough.pci.discovery import BRIDGE_CLASS, Discovery, discover
 from passthrough.pci.health import Health
@@ -142,6 +150,12 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self._seen: tuple[dict[str, str], frozenset[str]] | None = None  # the hand-outs the last pass saw
         self._desired: dict[str, Any] | None = None  # the slice's spec the last pass wanted
         self._node_uid = ""
+        self.pod_resources_socket = Path(kubelet_dir) / "pod-resources" / "kubelet.sock"
+        self.elsewhere: dict[str, BindError] = {}  # address -> why another server has it (`dra.others`), last pass
+        self.on_elsewhere_change = None  # called when `elsewhere` changed (the agent reports it)
+        self._neighbours: dict[str, dict[str, str]] = {}  # other drivers' slice of this node -> address -> who
+        self._neighbours_listed = asyncio.Event()
+        self._unavailable_logged = False
 
     def trigger(self, *_: Any) -> None:
         self._wake.set()
@@ -196,10 +210,12 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         await self.start()
         background = [asyncio.create_task(self.devices.run(), name="dra-devices"),
                       asyncio.create_task(self.slices.run(), name="dra-slices"),
-                      asyncio.create_task(self._watch_health(), name="dra-health")]  # fmt: skip
+                      asyncio.create_task(self._watch_health(), name="dra-health"),
+                      asyncio.create_task(self._watch_neighbours(), name="dra-neighbours")]  # fmt: skip
         try:
             await self.devices.synced.wait()
             await self.slices.synced.wait()
+            await self._neighbours_listed.wait()
             while True:
                 self._wake.clear()
                 self.devices.changed.clear()
@@ -255,7 +271,9 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self.discovery = discovery
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         self._seen = handed, claimed = self._assignments()
-        published = dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(meta.get("labels")), claimed)
+        self._judge_elsewhere(discovery, await self._served_by_plugins())
+        published = [p for p in dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(meta.get("labels")), claimed)
+                     if p.device.address not in self.elsewhere]  # fmt: skip
         self._candidates = {p.device.address: p.device.iommu_group for p in published}
         self._judge_health()
         withdrawn = [p for p in published if p.device.address in self.unhealthy]
@@ -275,8 +293,75 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             log.info("published ResourceSlice %s: %d devices (pool generation %d)", body["metadata"]["name"],
                      len(published), body["spec"]["pool"]["generation"])  # fmt: skip
         self.published.set()
-        await self._give_back(published, keep=withdrawn)
+        # A group another server has is not ours to give back either (its plugin wants it on vfio-pci).
+        theirs = [dra_slice.Published(d, "", "") for d in discovery.devices if d.address in self.elsewhere]
+        await self._give_back(published, keep=[*withdrawn, *theirs])
         return writes
+
+    # -- other servers -------------------------------------------------------------------------
+
+    async def _served_by_plugins(self) -> dict[str, str]:
+        """Address -> the device plugin resources the kubelet serves it under (none is ours in DRA
+        mode). When the kubelet cannot answer, none, as the device-plugin mode takes it, said once."""
+        try:
+            found = await kubelet_view(self.pod_resources_socket)
+        except PodResourcesUnavailable as exc:
+            if not self._unavailable_logged:
+                self._unavailable_logged = True
+                log.warning("cannot tell which devices other device plugins serve (%s); publishing as if none did", exc)
+            return {}
+        self._unavailable_logged = False
+        return served_elsewhere(found, ())
+
+    def _judge_elsewhere(self, discovery: Discovery, plugins: dict[str, str]) -> dict[str, BindError]:
+        """Keep what other servers have (`elsewhere`), saying what changed; returns it."""
+        found = dra_others.elsewhere(discovery.devices, plugins, dra_others.merged(self._neighbours.values()))
+        if {a: str(e) for a, e in found.items()} != {a: str(e) for a, e in self.elsewhere.items()}:
+            for address in sorted(found.keys() - self.elsewhere.keys()):
+                log.warning("left %s out of the ResourceSlice: %s", address, found[address])
+            for address in sorted(self.elsewhere.keys() - found.keys()):
+                log.info("no other server has %s now: it is ours to publish again", address)
+            self.elsewhere = found
+            self.trigger()  # found between passes (at a prepare): the slice follows at once
+            if self.on_elsewhere_change is not None:
+                self.on_elsewhere_change()
+        return found
+
+    async def _watch_neighbours(self) -> None:
+        """The other DRA drivers' slices of this node (a list, then a watch from it; again after
+        trouble): a change of the addresses they publish asks for a pass."""
+        path = "/apis/resource.k8s.io/v1/resourceslices"
+        selector = f"spec.nodeName={self.node_name}"
+        backoff = 1.0
+        while True:
+            try:
+                listed = await self.session.request("GET", path, query={"fieldSelector": selector})
+                self._neighbours = {o["metadata"]["name"]: dra_others.by_other_drivers([o], self.node_name)
+                                    for o in listed.get("items") or []}  # fmt: skip
+                self._neighbours_listed.set()
+                self.trigger()
+                version = (listed.get("metadata") or {}).get("resourceVersion", "")
+                async for kind, obj in watch_events(self.session, path, fieldSelector=selector, resourceVersion=version):
+                    if kind != "BOOKMARK" and self._neighbour_seen(kind, obj):
+                        self.trigger()
+                backoff = 1.0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a dropped connection, an expired version: list again
+                log.debug("watch of %s's ResourceSlices ended (%s); again in %.0fs", self.node_name, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30)
+
+    def _neighbour_seen(self, kind: str, body: dict[str, Any]) -> bool:
+        """Take one watch event in; True when the addresses other drivers publish changed."""
+        name = (body.get("metadata") or {}).get("name", "")
+        before = self._neighbours.get(name, {})
+        now = {} if kind == "DELETED" else dra_others.by_other_drivers([body], self.node_name)
+        if now:
+            self._neighbours[name] = now
+        else:
+            self._neighbours.pop(name, None)
+        return now != before
 
     def _judge_health(self) -> bool:
         """Read the health of every device a pass would publish or a prepared claim holds; True
@@ -394,8 +479,12 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             if not results:
                 raise PrepareError(f"claim {namespace}/{name} has no device of {DRIVER} on node {self.node_name} allocated")
             chosen = []
+            elsewhere = await self._elsewhere_now()
             for result in results:
                 item = self.inventory.get(result.get("device", ""))
+                why = elsewhere.get(item.device.address if item else _address_of(result.get("device", "")))
+                if why is not None:
+                    raise PrepareError(f"device {result.get('device')} is not this driver's to prepare: {why}")
                 if item is None:
                     raise PrepareError(f"device {result.get('device')} is not one this node offers now (unassigned, gone, or "
                                        "no longer in the pool): the claim must be allocated again")  # fmt: skip
@@ -424,6 +513,12 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             log.info("prepared claim %s/%s: %s", namespace, name,
                      ", ".join(f"{d.name} ({d.address}, IOMMU group {d.iommu_group})" for d in devices))  # fmt: skip
             return [_device_message(d) for d in prepared.devices]
+
+    async def _elsewhere_now(self) -> dict[str, BindError]:
+        """What other servers have, asked again: a plugin may have registered since the last pass."""
+        if self.discovery is None:
+            return dict(self.elsewhere)
+        return self._judge_elsewhere(self.discovery, await self._served_by_plugins())
 
     async def _claim(self, namespace: str, name: str, uid: str) -> dict[str, Any]:
         try:
@@ -507,6 +602,14 @@ async def _first(*events: asyncio.Event, timeout: float) -> None:
 
 class PrepareError(RuntimeError):
     """A claim cannot be prepared (or unprepared) here; the kubelet reports the message on the pod."""
+
+
+def _address_of(device_name: str) -> str:
+    """The PCI address a slice device name stands for (`dra.slice.device_name` backwards), or ""."""
+    parts = device_name.removeprefix("pci-").split("-")
+    if not device_name.startswith("pci-") or len(parts) != 4:
+        return ""
+    return f"{parts[0]}:{parts[1]}:{parts[2]}.{parts[3]}"
 
 
 def _device_message(device: dict[str, Any]) -> dra.Device:
