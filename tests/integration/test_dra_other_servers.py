@@ -7,45 +7,19 @@ that plugin serves it no more."""
 
 from __future__ import annotations
 
-import contextlib
-
-import grpc
 import pytest
 from kubernetes_asyncio import client
 
 from e2e import support
-from passthrough.deviceplugin.allocation import PluginDevice
-from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as dp
-from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as dp_grpc
-from passthrough.deviceplugin.server import API_VERSION, DevicePlugin
 from passthrough.kube.client import session_of
 from tests.integration.test_dra import (  # noqa: F401  (fixtures: a DRA agent on a real kubelet)
     AUDIO, GPU, GROUP, RESOURCE, agent, claim, claim_pod, create_claim, delete_claim, gpu_host, kubelet, published,
 )
-from tests.integration.test_node_isolation import wait_ready
+from tests.integration.test_node_isolation import other_plugin, wait_ready
 
 pytestmark = pytest.mark.cluster
 OTHER = "example.com/other-gpu"
 SLICE_DEVICE = "pci-0000-af-00-0"
-
-
-@contextlib.asynccontextmanager
-async def other_plugin(kubelet, address: str, group: int):
-    """Another device plugin (as NVIDIA's sandbox plugin is) serving `address`, registered with
-    the kubelet as test_node_isolation's is; stopped after. Yields it: `update([])` makes it serve
-    nothing, which the kubelet's GetAllocatableResources shows at once."""
-    other = DevicePlugin(OTHER, kubelet.device_plugin_dir, [PluginDevice(address, group)])
-    other.endpoint = "other-vendor.sock"
-    other.socket_path = kubelet.device_plugin_dir / other.endpoint
-    await other.start()
-    try:
-        async with grpc.aio.insecure_channel(f"unix://{kubelet.kubelet_socket}") as channel:
-            await dp_grpc.RegistrationStub(channel).Register(
-                dp.RegisterRequest(version=API_VERSION, endpoint=other.endpoint, resource_name=other.resource_name))
-        yield other
-    finally:
-        await other.stop()
-        other.socket_path.unlink(missing_ok=True)
 
 
 async def allocate_for(api, namespace: str, claim_name: str, pod: dict, node: str, device: str) -> None:
@@ -82,7 +56,7 @@ async def test_a_device_another_plugin_serves_leaves_the_slice_is_never_prepared
     await support.assign(api, names[GPU], namespace)
     await published(api, kubelet, agent, {SLICE_DEVICE: namespace})
     try:
-        async with other_plugin(kubelet, GPU, GROUP) as other:
+        async with other_plugin(kubelet, GPU, GROUP, OTHER) as other:
             # The slice drops it (and its IOMMU group), and its NodePCIDevice names the other server.
             await published(api, kubelet, agent, {})
             cond = await wait_ready(api, node, GPU, "ServedByOtherPlugin", agent, says=OTHER)

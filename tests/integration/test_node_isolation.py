@@ -262,9 +262,13 @@ async def _driver_is(host, address: str, driver: str) -> bool:
     return host.driver(address) == driver
 
 
-async def test_a_device_another_plugin_serves_is_neither_bound_nor_served_by_the_agent(api, core, kubelet, agent, names):
-    # Another device plugin (as NVIDIA's sandbox plugin does) serves the first GPU under its own name.
-    other = DevicePlugin("example.com/other-gpu", kubelet.device_plugin_dir, [PluginDevice(FIRST, 20)])
+@contextlib.asynccontextmanager
+async def other_plugin(kubelet, address: str, group: int, resource: str = "example.com/other-gpu"):
+    """Another device plugin (as NVIDIA's sandbox plugin is) serving `address` as `resource`,
+    registered with the kubelet; stopped after. Yields it: `update([])` makes it serve nothing,
+    which the kubelet's GetAllocatableResources shows at once (the kubelet keeps a stopped
+    plugin's devices, unhealthy, for minutes)."""
+    other = DevicePlugin(resource, kubelet.device_plugin_dir, [PluginDevice(address, group)])
     other.endpoint = "other-vendor.sock"
     other.socket_path = kubelet.device_plugin_dir / other.endpoint
     await other.start()
@@ -272,12 +276,18 @@ async def test_a_device_another_plugin_serves_is_neither_bound_nor_served_by_the
         async with grpc.aio.insecure_channel(f"unix://{kubelet.kubelet_socket}") as channel:
             await dp_grpc.RegistrationStub(channel).Register(
                 dp.RegisterRequest(version=API_VERSION, endpoint=other.endpoint, resource_name=other.resource_name))
+        yield other
+    finally:
+        await other.stop()
+        other.socket_path.unlink(missing_ok=True)
+
+
+async def test_a_device_another_plugin_serves_is_neither_bound_nor_served_by_the_agent(api, core, kubelet, agent, names):
+    # Another device plugin (as NVIDIA's sandbox plugin does) serves the first GPU under its own name.
+    # The kubelet keeps a stopped plugin's devices (unhealthy) for minutes: this test comes last.
+    async with other_plugin(kubelet, FIRST, 20):
         # The kubelet has it (its node status says so), and the agent, woken by that change, steps aside.
         await wait_resources(core, kubelet.node_name, {"example.com/other-gpu": "1"}, agent, field="capacity", timeout=60)
         cond = await wait_ready(api, kubelet.node_name, FIRST, "ServedByOtherPlugin", agent, timeout=60)
         assert "example.com/other-gpu" in cond["message"] and cond["status"] == "False"
         await wait_resources(core, kubelet.node_name, {POOL: "1", "example.com/other-gpu": "1"}, agent)
-    finally:
-        # The kubelet keeps a stopped plugin's devices (unhealthy) for minutes: this test comes last.
-        await other.stop()
-        other.socket_path.unlink(missing_ok=True)

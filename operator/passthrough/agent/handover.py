@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,7 +88,7 @@ class Handover:
 
         self.plugins = PluginManager(Path(plugin_dir), health=self._healthy, admit=self._admit)
         self.admit = None  # the agent's judge of who asks for a device (`Agent.admit`)
-        self._unavailable_logged = False
+        self._pod_resources: Any = None  # podresources.Asker, made at the first look (gRPC imported then)
 
     def _wake(self) -> None:
         if self.on_change is not None:
@@ -176,17 +176,11 @@ class Handover:
 
     async def look(self) -> KubeletView | None:
         """Which pods hold which device, and what every plugin serves; None when the kubelet cannot say."""
-        from passthrough.deviceplugin.podresources import PodResourcesUnavailable, view
+        if self._pod_resources is None:
+            from passthrough.deviceplugin.podresources import Asker
 
-        try:
-            found = await view(self.pod_resources_socket)
-        except PodResourcesUnavailable as exc:
-            if not self._unavailable_logged:
-                self._unavailable_logged = True
-                log.warning("cannot tell which devices pods hold (%s); giving nothing back until the kubelet answers", exc)
-            return None
-        self._unavailable_logged = False
-        return found
+            self._pod_resources = Asker(self.pod_resources_socket, "giving nothing back until the kubelet answers")
+        return await self._pod_resources.ask()
 
     def override_problems(self, devices: tuple[Device, ...]) -> dict[str, BindError]:
         """Devices left without a driver because their `driver_override` names one that is not

@@ -117,9 +117,10 @@ class Agent:
         self.start_jitter = start_jitter
         # DRA mode (no handover): the DRA driver's answer of which devices other servers have
         # (`Driver.elsewhere`), reported as the device-plugin mode's `others` are, and whom to
-        # tell when the node's extended resources change (another device plugin came or went).
+        # tell when the node changes what it publishes: its GPU passthrough mode, or its extended
+        # resources (another device plugin came or went).
         self.other_servers: Callable[[], Mapping[str, BindError]] | None = None
-        self.on_served_change: Callable[[], None] | None = None
+        self.on_node_change: Callable[[], None] | None = None
         if handover is not None:
             handover.on_change = self.trigger  # a late write returned, or a served device's health flipped
             handover.admit = self.admit
@@ -226,11 +227,13 @@ class Agent:
             if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
                 self._node_labels = labels
                 self.trigger()
+                if self.on_node_change is not None:
+                    self.on_node_change()
             elif served is not None and names != served:
                 if self.handover is not None:
                     self.trigger()
-                if self.on_served_change is not None:
-                    self.on_served_change()
+                if self.on_node_change is not None:
+                    self.on_node_change()
             served = names
 
         await self._keep_watching(f"Node {self.node_name}", "/api/v1/nodes", f"metadata.name={self.node_name}", seen)

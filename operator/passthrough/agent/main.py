@@ -68,9 +68,10 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
             driver = Driver(api, args.node_name, Path(args.sysfs_root), Path(args.proc_root), Path(args.dev_root),
                             agent.pci_ids, Path(args.kubelet_dir), Path(args.cdi_dir), rescan, args.sriov_virtual_functions,
                             deadline)  # fmt: skip
+            driver.on_drivers_moved = agent.trigger  # a prepare or give-back moved drivers: report them now
             loop.add_signal_handler(signal.SIGHUP, lambda: (agent.trigger(), driver.trigger()))
             # One server per device: what the driver finds other servers have, the agent reports.
-            agent.other_servers, agent.on_served_change = (lambda: driver.elsewhere), driver.trigger
+            agent.other_servers, agent.on_node_change = (lambda: driver.elsewhere), driver.trigger
             driver.on_elsewhere_change = agent.trigger
             tasks.append(asyncio.create_task(supervised("DRA driver", driver.run), name="dra"))
         if args.hotplug:

@@ -9,6 +9,7 @@ PodResourcesUnavailable and give nothing back.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import grpc
 from passthrough.deviceplugin.holder import Holder
 from passthrough.deviceplugin.kubeletapi.podresources_v1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.podresources_v1 import api_pb2_grpc as api_grpc
+
+log = logging.getLogger(__name__)
 
 POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 
@@ -44,6 +47,27 @@ async def view(socket: Path = POD_RESOURCES_SOCKET, timeout: float = 2.0) -> Kub
     except grpc.aio.AioRpcError as exc:
         raise PodResourcesUnavailable(f"PodResources on {socket} failed ({exc.code().name}: {exc.details()})") from None
     return KubeletView(_holders(answer), served)
+
+
+class Asker:
+    """Asks the kubelet's PodResources each scan; when it cannot answer, says so once (with
+    `consequence`: what the caller does meanwhile), and again only after it answered in between."""
+
+    def __init__(self, socket: Path, consequence: str) -> None:
+        self.socket = Path(socket)
+        self.consequence = consequence
+        self._said = False
+
+    async def ask(self) -> KubeletView | None:
+        try:
+            found = await view(self.socket)
+        except PodResourcesUnavailable as exc:
+            if not self._said:
+                self._said = True
+                log.warning("%s (%s); %s", "cannot ask the kubelet which devices pods hold and plugins serve", exc, self.consequence)
+            return None
+        self._said = False
+        return found
 
 
 async def _allocatable(stub: api_grpc.PodResourcesListerStub, timeout: float) -> dict[str, tuple[str, ...]]:

@@ -39,6 +39,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ from passthrough.agent.bound import Bound
 from passthrough.agent.handover import served_elsewhere
 from passthrough.api.labels import NODE_LABEL
 from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
-from passthrough.deviceplugin.podresources import PodResourcesUnavailable, view as kubelet_view
+from passthrough.deviceplugin.podresources import Asker
 from passthrough.dra import cdi
 from passthrough.dra import health as dra_health
 from passthrough.dra import others as dra_others
@@ -85,6 +86,12 @@ PLUGIN_TYPE = "DRAPlugin"
 CHECKPOINT = "checkpoint.json"
 RETRY = 5.0  # seconds before the next pass after a failed one
 HEALTH_POLL = 0.5  # seconds between health reads of the published devices (cheap: no device lock)
+# Seconds the first pass waits for the kubelet to register the driver: a claim allocated from a
+# slice published before that fails its first prepare ("not registered") and waits for the
+# kubelet's retry (12 s in bench_dra's run). A node whose kubelet never registers it still gets
+# its slice after this.
+REGISTRATION_WAIT = 10.0
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path, at most (sun_path, less its NUL)
 
 
 class DriverError(RuntimeError):
@@ -127,6 +134,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self.virtual_functions = virtual_functions
         self.bind_timeout = bind_timeout
         self.binder = Binder(write_deadline, on_finished=self.trigger)
+        self.on_drivers_moved: Callable[[], None] | None = None  # the agent's trigger: its report rescans
         self.bound = Bound(self.plugin_dir)
         self.devices = Mirror(Custom(api, NODE_PCI_DEVICE_PLURAL), label_selector=f"{NODE_LABEL}={node_name}")
         self.slices = Mirror(Custom(api, dra_slice.PLURAL, group="resource.k8s.io", version="v1"),
@@ -148,14 +156,14 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self._lock = asyncio.Lock()  # prepare, unprepare and give-back one at a time
         self._servers: list[grpc.aio.Server] = []
         self._seen: tuple[dict[str, str], frozenset[str]] | None = None  # the hand-outs the last pass saw
-        self._desired: dict[str, Any] | None = None  # the slice's spec the last pass wanted
+        self._desired: list[dict[str, Any]] | None = None  # the pool's slice specs the last pass wanted
         self._node_uid = ""
         self.pod_resources_socket = Path(kubelet_dir) / "pod-resources" / "kubelet.sock"
         self.elsewhere: dict[str, BindError] = {}  # address -> why another server has it (`dra.others`), last pass
         self.on_elsewhere_change = None  # called when `elsewhere` changed (the agent reports it)
         self._neighbours: dict[str, dict[str, str]] = {}  # other drivers' slice of this node -> address -> who
         self._neighbours_listed = asyncio.Event()
-        self._unavailable_logged = False
+        self._pod_resources = Asker(self.pod_resources_socket, "publishing as if no other device plugin served any device")
 
     def trigger(self, *_: Any) -> None:
         self._wake.set()
@@ -171,6 +179,9 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         for path, adds in ((self.endpoint, (dra_grpc.add_DRAPluginServicer_to_server,
                                             health_grpc.add_DRAResourceHealthServicer_to_server)),
                            (self.registration_socket, (reg_grpc.add_RegistrationServicer_to_server,))):  # fmt: skip
+            if len(os.fsencode(str(path))) > SOCKET_PATH_MAX:
+                raise DriverError(f"cannot serve on {path}: a Unix socket's path takes at most {SOCKET_PATH_MAX} bytes "
+                                  f"and this one has {len(os.fsencode(str(path)))}; use a shorter --kubelet-dir")  # fmt: skip
             path.unlink(missing_ok=True)
             server = grpc.aio.server()
             for add in adds:
@@ -216,6 +227,11 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             await self.devices.synced.wait()
             await self.slices.synced.wait()
             await self._neighbours_listed.wait()
+            await _first(self.registered, timeout=REGISTRATION_WAIT)
+            if not self.registered.is_set():
+                log.warning("the kubelet has not registered DRA driver %s after %.0fs (is it running, and is %s its "
+                            "plugins_registry?); publishing the ResourceSlice anyway", DRIVER, REGISTRATION_WAIT,
+                            self.registration_socket.parent)  # fmt: skip
             while True:
                 self._wake.clear()
                 self.devices.changed.clear()
@@ -251,11 +267,12 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                     return
             if self.slices.changed.is_set():
                 self.slices.changed.clear()
-                if self._desired is not None and dra_slice.changed(self._desired, self._live(), self._node_uid):
+                if self._desired is not None and dra_slice.pool_changed(self._desired, self._live(len(self._desired)), self._node_uid):
                     return
 
-    def _live(self) -> dict[str, Any] | None:
-        return self.slices.objects.get(dra_slice.slice_name(self.node_name))
+    def _live(self, count: int) -> list[dict[str, Any] | None]:
+        """The node's first `count` slices as they are live (None where one is missing)."""
+        return [self.slices.objects.get(dra_slice.slice_name(self.node_name, i)) for i in range(count)]
 
     def _assignments(self) -> tuple[dict[str, str], frozenset[str]]:
         return report.assignment_view(self.devices.objects)
@@ -279,19 +296,23 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         withdrawn = [p for p in published if p.device.address in self.unhealthy]
         published = [p for p in published if p.device.address not in self.unhealthy]
         self.inventory = dra_slice.by_name(published)
-        self._desired = desired = dra_slice.spec(self.node_name, published)
+        # More than 128 devices are several slices; never fewer than the live pool has (no delete).
+        at_least = dra_slice.live_count(self._live(1)[0])
+        self._desired = desired = dra_slice.specs(self.node_name, published, at_least)
         writes = 0
-        live = self._live()
-        if dra_slice.changed(desired, live, self._node_uid):
-            body = dra_slice.body(self.node_name, self._node_uid, desired, live)
-            path = f"/apis/resource.k8s.io/v1/resourceslices/{body['metadata']['name']}"
-            written = await self.session.request("PATCH", path, query={"fieldManager": AGENT_MANAGER, "force": True},
-                                                 body=body, content_type=APPLY_PATCH)  # fmt: skip
-            self.slices.store(written)
-            writes += 1
-            self.writes += 1
-            log.info("published ResourceSlice %s: %d devices (pool generation %d)", body["metadata"]["name"],
-                     len(published), body["spec"]["pool"]["generation"])  # fmt: skip
+        live = self._live(len(desired))
+        if dra_slice.pool_changed(desired, live, self._node_uid):
+            bodies = dra_slice.pool_bodies(self.node_name, self._node_uid, desired, live)
+            for body in bodies:
+                path = f"/apis/resource.k8s.io/v1/resourceslices/{body['metadata']['name']}"
+                written = await self.session.request("PATCH", path, query={"fieldManager": AGENT_MANAGER, "force": True},
+                                                     body=body, content_type=APPLY_PATCH)  # fmt: skip
+                self.slices.store(written)
+                writes += 1
+                self.writes += 1
+            log.info("published ResourceSlice %s: %d devices%s (pool generation %d)", bodies[0]["metadata"]["name"],
+                     len(published), f" in {len(bodies)} slices" if len(bodies) > 1 else "",
+                     bodies[0]["spec"]["pool"]["generation"])  # fmt: skip
         self.published.set()
         # A group another server has is not ours to give back either (its plugin wants it on vfio-pci).
         theirs = [dra_slice.Published(d, "", "") for d in discovery.devices if d.address in self.elsewhere]
@@ -303,15 +324,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
     async def _served_by_plugins(self) -> dict[str, str]:
         """Address -> the device plugin resources the kubelet serves it under (none is ours in DRA
         mode). When the kubelet cannot answer, none, as the device-plugin mode takes it, said once."""
-        try:
-            found = await kubelet_view(self.pod_resources_socket)
-        except PodResourcesUnavailable as exc:
-            if not self._unavailable_logged:
-                self._unavailable_logged = True
-                log.warning("cannot tell which devices other device plugins serve (%s); publishing as if none did", exc)
-            return {}
-        self._unavailable_logged = False
-        return served_elsewhere(found, ())
+        return served_elsewhere(await self._pod_resources.ask(), ())
 
     def _judge_elsewhere(self, discovery: Discovery, plugins: dict[str, str]) -> dict[str, BindError]:
         """Keep what other servers have (`elsewhere`), saying what changed; returns it."""
@@ -435,7 +448,14 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                     log.warning("giving IOMMU group %d (%s) back failed: %s", group, ", ".join(mine), exc)
                     continue
                 self.bound.remove(mine)
+                self._drivers_moved(mine)
                 log.info("gave IOMMU group %d (%s) back to its drivers", group, ", ".join(mine))
+
+    def _drivers_moved(self, addresses: Any) -> None:
+        """Devices changed driver: the agent's report (its `driver` attribute) hears of it now, not
+        at its next periodic rescan."""
+        if addresses and self.on_drivers_moved is not None:
+            self.on_drivers_moved()
 
     def _groups(self) -> dict[int, list[str]]:
         """IOMMU group -> its non-bridge members, from the last discovery."""
@@ -499,8 +519,10 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                     _, moved = await self.binder.bind(self.sysfs_root, self.dev_root, group, members, self.bind_timeout)
                 except BindError as exc:
                     self.bound.add(getattr(exc, "moved", {}))
+                    self._drivers_moved(getattr(exc, "moved", {}))
                     raise PrepareError(f"binding IOMMU group {group} ({', '.join(members)}) to vfio-pci failed: {exc}") from None
                 self.bound.add(moved)
+                self._drivers_moved(moved)
             devices = [
                 cdi.PreparedDevice(request=r["request"], pool=self.node_name, name=item.name, address=item.device.address,
                                    iommu_group=item.device.iommu_group, attributes=dra_slice.attributes(item),
