@@ -224,11 +224,28 @@ async def test_stop_ends_the_streams_and_removes_the_socket(plugin_dir):
         await asyncio.wait_for(stream.read(), 1)
         await served.stop()
         try:
+            last = await asyncio.wait_for(stream.read(), 2)  # the list as it was at the stop
+            assert {(d.ID, d.health) for d in last.devices} == {(GPU0.id, "Healthy")}
             end = await asyncio.wait_for(stream.read(), 2)
         except grpc.aio.AioRpcError:
             end = grpc.aio.EOF  # cut by the server's stop: an end all the same
         assert end is grpc.aio.EOF
     assert not served.socket_path.exists()
+
+
+async def test_a_withdrawn_resource_tells_its_streams_every_device_is_unhealthy_before_they_end(plugin_dir):
+    """A resource leaves (its device vanished before a health poll saw it, or moved elsewhere): the
+    stream's last list says Unhealthy, so a kubelet hears it before it notices the stream's end."""
+    served = DevicePlugin(A10, plugin_dir, [GPU0, GPU1])
+    await served.start()
+    async with channel_to(served.socket_path) as channel:
+        stream = api_grpc.DevicePluginStub(channel).ListAndWatch(api.Empty())
+        first = await asyncio.wait_for(stream.read(), 1)
+        assert {d.health for d in first.devices} == {"Healthy"}
+        await served.stop(farewell=True)
+        last = await asyncio.wait_for(stream.read(), 2)
+        assert {(d.ID, d.health) for d in last.devices} == {(GPU0.id, "Unhealthy"), (GPU1.id, "Unhealthy")}
+        assert await asyncio.wait_for(stream.read(), 2) is grpc.aio.EOF
 
 
 # The manager, against the stand-in kubelet.

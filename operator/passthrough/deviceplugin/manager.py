@@ -103,7 +103,7 @@ class PluginManager:
             if self._closed:
                 return
             for name in [n for n in self._plugins if n not in resources]:
-                await self._plugins.pop(name).stop()
+                await self._plugins.pop(name).stop(farewell=True)
                 for table in (self._declared, self._state, self._retry_at, self._backoff):
                     table.pop(name, None)
                 log.info("stopped the device plugin of %s", name)

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -127,10 +128,15 @@ class DevicePlugin(api_grpc.DevicePluginServicer):
         self._server = server
         self.socket_identity = self._identity()
 
-    async def stop(self, grace: float = 0.2) -> None:
-        """Stop serving: end the ListAndWatch streams, stop the server, remove our socket file."""
+    async def stop(self, grace: float = 0.2, farewell: bool = False) -> None:
+        """Stop serving: end the ListAndWatch streams (each sends the list once more), stop the
+        server, remove our socket file. `farewell`: the resource is withdrawn (its device vanished,
+        or moved to another resource), so that last list says every device is Unhealthy: the
+        kubelet hears it in the stream, before it notices the stream's end."""
         server, self._server = self._server, None
         if server is not None:
+            if farewell:
+                self._devices = {i: replace(d, healthy=False) for i, d in self._devices.items()}
             self._stopping = True
             for wake in self._watchers:
                 wake.set()
@@ -166,9 +172,11 @@ class DevicePlugin(api_grpc.DevicePluginServicer):
         wake = asyncio.Event()
         self._watchers.add(wake)
         try:
-            while not self._stopping:
+            while True:
                 wake.clear()  # before reading the list, so an update() from here on sends again
                 yield self.list_response()
+                if self._stopping:  # the list as it was at the stop went out: the stream ends
+                    return
                 await wake.wait()
         finally:
             self._watchers.discard(wake)
