@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -21,6 +22,8 @@ from passthrough.controller.metrics import OPERATOR, OPERATOR_STATE
 from passthrough.durations import DurationError, parse_duration
 from passthrough.kube.connect import CannotStart, session
 from passthrough.kube.preflight import require_crds
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import kopf
@@ -142,7 +145,11 @@ async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
         return 1
     try:
         # standalone: no Kopf peering (see handlers.startup); --leader-elect is what lets replicas run side by side.
-        await kopf.operator(clusterwide=True, standalone=True, memo=memo, liveness_endpoint=args.liveness or None)
+        stop = asyncio.Event()
+        if memo.webhook_server is not None:
+            memo.webhook_server.stop = stop
+        await kopf.operator(clusterwide=True, standalone=True, memo=memo, liveness_endpoint=args.liveness or None,
+                            stop_flag=stop)  # fmt: skip
     finally:
         for runner in (endpoint, readiness):
             if runner is not None:
@@ -168,16 +175,47 @@ def _leadership(args: argparse.Namespace) -> Any:
     return Leadership(identity, args.leader_elect_resource_name, namespace, timing)
 
 
+# Seconds a replica keeps answering admission calls after SIGTERM, each answer closing its
+# connection (`Connection: close`), before it stops. The API server keeps idle HTTP/1.1
+# connections to the webhook alive, and one the replica closes just as the API server sends a
+# call on it fails that call (EOF; a POST is not retried): HTTP/1.1 cannot announce the close.
+# Calls in the drain take the connections they use out of the API server's pool by the
+# protocol, so few idle ones are left for the close. (In a pod, the preStop sleep keeps the
+# replica answering while it leaves the endpoints; this drain follows it.)
+DRAIN = 2.0
+
+
 def _listening_webhook_server(kopf: Any) -> Any:
-    """Kopf's WebhookServer, saying when it listens (for the readiness probe)."""
+    """Kopf's WebhookServer, saying when it listens (for the readiness probe), and draining its
+    connections on SIGTERM (`DRAIN`) before the operator stops."""
 
     class WebhookServer(kopf.WebhookServer):
         listening = False
+        draining = False
+        stop = None  # the operator's stop flag (an asyncio.Event), set once the drain is over
 
         async def __call__(self, fn):  # type: ignore[override]
             async for config in super().__call__(fn):
                 self.listening = True
+                # From here SIGTERM drains first. Installed after Kopf's own handler (it installs
+                # it as it starts, long before the webhook server listens), so it replaces it.
+                if self.stop is not None:
+                    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._drain_then_stop)
                 yield config
+
+        def _drain_then_stop(self) -> None:
+            if not WebhookServer.draining:
+                WebhookServer.draining = True
+                log.info("SIGTERM: answering admission calls for %.0fs more, closing each connection after its "
+                         "answer, then stopping", DRAIN)  # fmt: skip
+                asyncio.get_running_loop().call_later(DRAIN, self.stop.set)
+
+        @staticmethod
+        async def _serve(fn, request):  # type: ignore[override]
+            response = await kopf.WebhookServer._serve(fn, request)
+            if WebhookServer.draining:
+                response.force_close()  # Connection: close, and the connection closes after this answer
+            return response
 
     return WebhookServer
 
