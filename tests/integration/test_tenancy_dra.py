@@ -57,7 +57,7 @@ def gpu() -> Device:
 def slice_of(node, *, node_name: str | None = None, pool: str | None = None, driver: str | None = None, name: str = "") -> dict:
     """The slice the agent of `node` publishes (dra.slice), with one thing changed where asked."""
     published = [dra_slice.Published(gpu(), "pci-abc", "team-a")]
-    body = dra_slice.body(node.name, node.uid, dra_slice.spec(node.name, published), None)
+    [body] = dra_slice.pool_bodies(node.name, node.uid, dra_slice.specs(node.name, published), [None])
     body["metadata"]["name"] = name or body["metadata"]["name"]
     body["spec"]["nodeName"] = node_name or body["spec"]["nodeName"]
     body["spec"]["pool"]["name"] = pool or body["spec"]["pool"]["name"]

@@ -96,7 +96,7 @@ def test_the_slice_is_written_only_when_what_we_write_differs(gpu_node):
     devices, names = gpu_node
     desired = dra_slice.spec(NODE, dra_slice.publishable(devices, {}, names, True))
     assert dra_slice.changed(desired, None, "uid-1")
-    live = dra_slice.body(NODE, "uid-1", desired, None)
+    [live] = dra_slice.pool_bodies(NODE, "uid-1", [desired], [None])
     assert live["spec"]["pool"]["generation"] == 1
     # What the API server returns holds more than we wrote (managedFields, a resourceVersion).
     live["metadata"].update(resourceVersion="7", managedFields=[{"manager": "passthrough-agent"}])
@@ -104,7 +104,7 @@ def test_the_slice_is_written_only_when_what_we_write_differs(gpu_node):
     assert dra_slice.changed(desired, live, "uid-2")  # a Node of that name registered again
     fewer = dra_slice.spec(NODE, dra_slice.publishable(devices, {}, names, False))
     assert dra_slice.changed(fewer, live, "uid-1")
-    assert dra_slice.body(NODE, "uid-1", fewer, live)["spec"]["pool"]["generation"] == 2
+    assert dra_slice.pool_bodies(NODE, "uid-1", [fewer], [live])[0]["spec"]["pool"]["generation"] == 2
 
 
 def test_names_are_what_the_api_accepts():

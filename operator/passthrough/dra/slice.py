@@ -150,13 +150,9 @@ def pool_bodies(node_name: str, node_uid: str, desired: list[dict[str, Any]], li
     return [_body(slice_name(node_name, i), node_name, node_uid, d, generation) for i, d in enumerate(desired)]
 
 
-def body(node_name: str, node_uid: str, desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
-    """The whole object to apply: `desired` (from `spec`), the pool's generation one past the live
-    one, owned by the Node (a deleted Node takes its slice along, as the kubelet's helper does)."""
-    return _body(slice_name(node_name), node_name, node_uid, desired, _generation(live) + 1)
-
-
 def _body(name: str, node_name: str, node_uid: str, desired: dict[str, Any], generation: int) -> dict[str, Any]:
+    """One slice to apply: `desired` (from `specs`) at `generation`, owned by the Node (a deleted
+    Node takes its slices along, as the kubelet's helper does)."""
     return {
         "apiVersion": API_VERSION,
         "kind": "ResourceSlice",
