@@ -160,12 +160,14 @@ class AgentProcess:
             f"--dev-root={host.root / 'dev'}", f"--pci-ids={pci_ids}", f"--device-plugin-dir={plugin_dir}",
             f"--pod-resources-socket={pod_resources}", f"--state-dir={host.root / 'state'}", "--no-hotplug", *args,
         ]  # fmt: skip
+        # As the chart's DaemonSet sets it: the service account's CA, here the cluster's.
+        self.env = {"SSL_CERT_FILE": str(cluster.ca_file)}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> AgentProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                self.args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                 preexec_fn=_die_with_parent,
             )  # fmt: skip
         return self

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from passthrough import __version__
 
 # Exit codes: 0 ok, 1 a runtime failure (cluster unreachable, ...), 2 bad usage or input.
 
@@ -70,19 +70,12 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("passthrough-operator")
-    except importlib.metadata.PackageNotFoundError:
-        return "(not installed: run from a source tree)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="passthrough",
         description="PCI and GPU passthrough for KubeVirt virtual machines.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("operator", help="run the operator (Kopf)")

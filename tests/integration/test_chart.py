@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from e2e import chart, fakesysfs, identities, support
 from e2e.chart import CHART, template
 from e2e.fakekernel import FakeKernel
 from e2e.processes import OperatorProcess, WebhookServing
+from passthrough import __version__
 from passthrough.api import crds
 from passthrough.api.models import PassthroughConfigSpec
 from passthrough.controller.lifecycle import FINALIZER
@@ -120,15 +120,15 @@ def test_default_values_render_the_models_defaults_and_two_operator_replicas(hel
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and operator["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["serviceAccountName"] == "passthrough-operator"
-    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    assert operator["image"] == f"passthrough-operator:{version}"
+    assert operator["image"] == f"passthrough-operator:{__version__}"  # pyproject.toml reads it from there
 
     daemonset = one(objects, "DaemonSet")["spec"]["template"]["spec"]
     assert daemonset["serviceAccountName"] == "passthrough-agent"
     assert daemonset["tolerations"] == [{"operator": "Exists"}]
     agent = container(objects, "DaemonSet")
     assert agent["command"][:3] == ["passthrough", "agent", "--proc-root=/host/proc"]
-    assert agent["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    assert agent["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                            {"name": "SSL_CERT_FILE", "value": "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"}]  # fmt: skip
     assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev", "--state-dir=/run/passthrough",
             "--binder-socket=/run/passthrough-binder/binder.sock"} <= set(agent["command"])  # fmt: skip
     assert container(objects, "DaemonSet", "binder")["command"] == [
@@ -536,8 +536,11 @@ async def agent(api, cluster, release, node, tmp_path_factory):
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
     env = dict(os.environ)
     for var in container(release["objects"], "DaemonSet")["env"]:
-        assert var["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-        env[var["name"]] = node.name
+        if var["name"] == "SSL_CERT_FILE":  # the service account's CA: here, the local cluster's
+            env[var["name"]] = str(cluster.ca_file)
+        else:
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+            env[var["name"]] = node.name
     log_path = root / "agent.log"
     args = command_line(
         release["objects"], "DaemonSet",

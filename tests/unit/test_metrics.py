@@ -338,3 +338,68 @@ async def test_port_0_serves_nothing_and_a_taken_port_is_an_error():
         taken.listen()
         with pytest.raises(OSError):
             await metrics.serve(operator_metrics.OPERATOR, taken.getsockname()[1], "127.0.0.1")
+
+
+async def _exchange(port: int, data: bytes) -> bytes:
+    """Send `data` on one connection and read until the endpoint closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_the_endpoint_answers_again_on_a_kept_connection_and_closes_when_asked():
+    port = _free_port()
+    endpoint = await metrics.serve(agent_metrics.AGENT, port, "127.0.0.1")
+    try:
+        answers = await _exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+                                        b"HEAD /metrics?x=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")  # fmt: skip
+        # HTTP/1.0 closes unless asked not to.
+        old = await _exchange(port, b"GET /metrics HTTP/1.0\r\n\r\n")
+    finally:
+        await endpoint.cleanup()
+    first, _, rest = answers.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" not in first
+    length = int(next(h for h in first.split(b"\r\n") if h.startswith(b"Content-Length:")).split(b":")[1])
+    body, second = rest[:length], rest[length:]
+    assert b"passthrough_build_info" in body
+    assert second.startswith(b"HTTP/1.1 200 OK") and second.endswith(b"\r\n\r\n")  # HEAD: headers only
+    assert b"Connection: close" in second
+    assert old.startswith(b"HTTP/1.1 200 OK") and b"passthrough_build_info" in old
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"POST /metrics HTTP/1.1\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi", b"405"),
+        (b"GARBAGE\r\n\r\n", b"400"),
+        (b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n", b"400"),
+        (b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"413"),
+        (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n", b"431"),
+    ],
+)
+async def test_the_endpoint_refuses_what_it_does_not_serve_with_a_status_and_keeps_serving(request_bytes, status):
+    port = _free_port()
+    endpoint = await metrics.serve(operator_metrics.OPERATOR, port, "127.0.0.1")
+    try:
+        refused = await _exchange(port, request_bytes)
+        after = await _exchange(port, b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+    finally:
+        await endpoint.cleanup()
+    assert refused.split(b" ")[1] == status, refused[:200]
+    assert after.startswith(b"HTTP/1.1 200 OK")
+
+
+async def test_cleanup_closes_idle_connections():
+    port = _free_port()
+    endpoint = await metrics.serve(agent_metrics.AGENT, port, "127.0.0.1")
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+    await reader.readuntil(b"\r\n\r\n")
+    await asyncio.wait_for(endpoint.cleanup(), 5)
+    assert await asyncio.wait_for(reader.read(), 5) is not None  # the rest, then EOF: closed, not left open
+    assert reader.at_eof()
+    writer.close()

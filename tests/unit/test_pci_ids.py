@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import tracemalloc
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -24,6 +26,26 @@ def test_the_2025_edition_loads_with_its_version_and_names():
     assert db.vendor_name("10de") == "NVIDIA Corporation"
     assert db.device_name("10de", "2236") == "GA102GL [A10]"
     assert db.damaged_lines == 0
+
+
+def test_a_loaded_database_keeps_its_index_not_the_file_and_reads_names_from_the_file_it_indexed(tmp_path):
+    path = tmp_path / "pci.ids"
+    path.write_bytes(EDITION_2025.read_bytes())
+    tracemalloc.start()
+    try:
+        db = PciIds.load(path)
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert kept < path.stat().st_size / 3, f"{kept} bytes kept for a {path.stat().st_size}-byte file"
+    # A package update replaces the file (a new one renamed over it): names still come from
+    # the file the index was made from, not from the new one at offsets that mean nothing there.
+    replacement = tmp_path / "pci.ids.new"
+    replacement.write_bytes(EDITION_2023.read_bytes())
+    os.replace(replacement, path)
+    assert db.device_name("10de", "2236") == "GA102GL [A10]"
+    assert db.subsystem_name("10de", "2206", "10de", "146d") == "GA102 [GeForce RTX 3080 20GB]"
+    assert db.class_name("030200") == "3D controller"
 
 
 def test_the_2023_edition_names_cards_differently():

@@ -413,7 +413,7 @@ def test_a_file_that_says_it_holds_nothing_is_read_whole(tmp_path, monkeypatch):
         found = os.fstat(fd)
         return os.stat_result((*found[:6], 0, *found[7:10]))
 
-    monkeypatch.setattr(pciids, "os", SimpleNamespace(stat=os.stat, fstat=fstat_size_0))
+    monkeypatch.setattr(pciids, "os", SimpleNamespace(stat=os.stat, fstat=fstat_size_0, dup=os.dup, pread=os.pread, close=os.close))
     assert mismatches(PciIds.load(path), ReferencePciIds.load(path)) == []
     monkeypatch.setattr(pciids, "MAX_SIZE", 100)
     assert "too large" in PciIds.load(path).problem

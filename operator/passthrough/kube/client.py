@@ -36,6 +36,8 @@ from typing import Any
 import aiohttp
 import yarl
 
+from passthrough import __version__
+
 JSON = "application/json"
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
@@ -53,13 +55,7 @@ def user_agent() -> str:
     """Ours, as client-go makes its own: program/version (os/arch), plus the subcommand when
     the process is `passthrough <command>`, so an audit log or the API server's metrics tell
     the operator from the agents."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("passthrough-operator")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    agent = f"passthrough/{version} ({sys.platform}/{platform.machine() or 'unknown'})"
+    agent = f"passthrough/{__version__} ({sys.platform}/{platform.machine() or 'unknown'})"
     program = os.path.basename(sys.argv[0]) if sys.argv else ""
     if program in ("passthrough", "__main__.py") and len(sys.argv) > 1 and sys.argv[1].isidentifier():
         agent += f" {sys.argv[1]}"

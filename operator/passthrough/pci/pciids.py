@@ -4,10 +4,11 @@ Loading never fails: a missing or damaged file gives an empty database whose `pr
 says that names fall back to hex IDs, and how to fix it. A damaged line is skipped and noted
 with its line number (`damage`, `damage_report`); the rest of the file is still used.
 
-The file is kept as it was read (one bytes object, about 1.5 MiB) with an index of where each
-vendor's and class's lines begin; a name is read from its line when it is first asked for
-(a dict of every name in the file took about 9 MiB of the agent's memory). Every line is
-still checked once, at load, so damage is reported then, as before.
+The file is read whole once, at load, to check every line (damage is reported then) and to
+index where each vendor's and class's lines begin; then only the index is kept, and a name
+is read from its line in the file when it is first asked for (through the descriptor opened
+at load: a package update that replaces the file leaves the one indexed readable). A dict of
+every name took about 9 MiB of the agent's memory, and the file's bytes kept 1.5 MiB.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import os
 import re
 import stat
 import threading
+import weakref
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SEARCH_PATHS = ("/usr/share/hwdata/pci.ids", "/usr/share/misc/pci.ids", "/usr/share/pci.ids")
@@ -77,6 +79,7 @@ CACHED_LOOKUPS = 512
 # by ID, is kept (8 bytes a line: 15 KiB for NVIDIA's).
 CACHED_VENDORS = 16
 _OFFSET = (1 << 40) - 1  # a line's offset, below its ID, in one index entry
+_LINE = 256  # bytes read for one line at first: the file's longest is about 150
 
 _VENDOR_CONTEXT, _CLASS_CONTEXT = 1, 2
 
@@ -100,14 +103,30 @@ _VENDORS = _Tier(_VENDOR, _DEVICE, _SUBSYSTEM, digits=4, ids=2)
 _CLASSES = _Tier(_CLASS, _SUBCLASS, _PROG_IF, digits=2, ids=1)
 
 
-class _Index:
-    """The file's bytes and where its vendors and classes begin: names are read from there."""
+class _File:
+    """Ranges of the file an index was made from, read through the descriptor opened then."""
 
-    __slots__ = ("data", "errors", "starts", "vendors", "classes", "children", "lock")
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
+
+    def __call__(self, start: int, stop: int) -> bytes:
+        try:
+            return os.pread(self.fd, max(0, stop - start), start)
+        except OSError:
+            return b""  # unreadable now (a disk error): the name falls back to hex IDs
+
+
+class _Index:
+    """Where a pci.ids's vendors and classes begin: names are read from their lines there."""
+
+    __slots__ = ("read", "size", "errors", "starts", "vendors", "classes", "children", "lock")
 
     def __init__(self, data: bytes = b"", errors: str = "replace", starts: array | None = None,
                  vendors: array | None = None, classes: array | None = None) -> None:  # fmt: skip
-        self.data = data
+        # The bytes from `start` to `stop`: of `data` until `PciIds.load` points this at the file.
+        self.read: Callable[[int, int], bytes] = lambda start, stop: data[start:stop]
+        self.size = len(data)
         self.errors = errors  # how the bytes are read as text: as at load, line by line
         # Where each vendor's or class's lines begin, in file order, then the file's end.
         self.starts = starts if starts is not None else array("Q", [len(data)])
@@ -121,8 +140,18 @@ class _Index:
 
     def line(self, pos: int) -> str:
         """The line that begins at `pos`, as text, as the format reads it (CRs at its end off)."""
-        end = self.data.find(b"\n", pos)
-        return self.data[pos : end if end >= 0 else len(self.data)].decode("utf-8", self.errors).rstrip("\r")
+        chunk = self.read(pos, min(pos + _LINE, self.size))
+        while b"\n" not in chunk and pos + len(chunk) < self.size:  # a long line
+            more = self.read(pos + len(chunk), min(pos + 2 * len(chunk), self.size))
+            if not more:
+                break
+            chunk += more
+        return self._text(chunk, 0)
+
+    def _text(self, block: bytes, offset: int) -> str:
+        """The line that begins at `offset` of `block`, as `line` reads it."""
+        end = block.find(b"\n", offset)
+        return block[offset : end if end >= 0 else len(block)].decode("utf-8", self.errors).rstrip("\r")
 
     def blocks(self, tier: _Tier, ident: int) -> Iterator[tuple[int, int]]:
         """(where it begins, where it ends) of each vendor's (class's) block with this ID, in file order."""
@@ -148,7 +177,8 @@ class _Index:
             if found is None:
                 lines = []
                 for start, stop in self.blocks(tier, ident):
-                    lines += [int(m.group(1), 16) << 40 | m.start() for m in tier.child_start.finditer(self.data, start, stop)]
+                    block = self.read(start, stop)
+                    lines += [int(m.group(1), 16) << 40 | start + m.start() for m in tier.child_start.finditer(block)]
                 lines.sort()
                 found = array("Q", lines)
                 if len(self.children) >= CACHED_VENDORS:
@@ -179,13 +209,15 @@ class _Index:
         good device line."""
         wanted = tuple(t.encode() for t in tail)
         for _, pos in self._children(tier, ident, child):
-            stop = self.starts[bisect_right(self.starts, pos)]
-            for m in tier.run_start.finditer(self.data, pos + 1, stop):
+            # The rest of its vendor's (class's) block; the line at `pos` is the child's own,
+            # which begins with a tab and a hex digit, so no pattern matches at its second byte.
+            block = self.read(pos + 1, self.starts[bisect_right(self.starts, pos)])
+            for m in tier.run_start.finditer(block):
                 *ids, child_id = m.groups()
                 if child_id is not None:
-                    if tier.child.fullmatch(self.line(m.start())):
+                    if tier.child.fullmatch(self._text(block, m.start())):
                         break
-                elif tuple(i.lower() for i in ids) == wanted and (found := tier.grandchild.fullmatch(self.line(m.start()))):
+                elif tuple(i.lower() for i in ids) == wanted and (found := tier.grandchild.fullmatch(self._text(block, m.start()))):
                     return _name(found.group(len(tail) + 1))
         return None
 
@@ -259,6 +291,7 @@ class PciIds:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 data = _read(f, size) if size <= MAX_SIZE else None
+                file = _File(os.dup(f.fileno()))
         except OSError as e:
             return cls(path=path, problem=f"cannot read pci.ids {path} ({e.strerror or e}); {_CONSEQUENCE}; {_FIX}")
         if data is None or len(data) > MAX_SIZE:
@@ -268,6 +301,7 @@ class PciIds:
                 f"(the real one is under 2 MiB); {_CONSEQUENCE}; {_FIX}",
             )
         db = cls._parse(data, path, "replace")
+        db._index.read = file  # and not the bytes read: the index holds where each name is
         bad = _first_not_utf8(data)
         if bad is not None:
             line = data.count(b"\n", 0, bad) + 1
