@@ -1,0 +1,22 @@
+"""The agent's TLS connections read into a 64 KiB buffer, not asyncio's 256 KiB (memory, issue 18).
+
+The knob is a class attribute of asyncio's TLS protocol; this fails when a Python release
+renames or stops reading it, so the saving cannot go away unnoticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from asyncio import sslproto
+
+from passthrough.agent.main import TLS_READ_BUFFER, smaller_tls_buffers
+
+
+async def test_a_tls_connection_made_by_the_agent_reads_into_the_smaller_buffer(monkeypatch):
+    monkeypatch.setattr(sslproto.SSLProtocol, "max_size", sslproto.SSLProtocol.max_size)  # restored after
+    before = sslproto.SSLProtocol(asyncio.get_running_loop(), asyncio.Protocol(), ssl.create_default_context(), None)
+    smaller_tls_buffers()
+    after = sslproto.SSLProtocol(asyncio.get_running_loop(), asyncio.Protocol(), ssl.create_default_context(), None)
+    assert len(before._ssl_buffer) == 256 * 1024  # asyncio's own, which the agent does not keep
+    assert len(after._ssl_buffer) == TLS_READ_BUFFER == 64 * 1024
