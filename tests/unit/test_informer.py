@@ -168,3 +168,25 @@ async def test_an_object_whose_view_fails_is_skipped_and_the_others_are_cached(c
     await inf.relist()
     assert sorted(inf.indexes["by_name"]) == ["a", "b"]
     assert "things odd cannot be read (KeyError" in caplog.text
+
+
+async def test_a_watch_that_ends_at_once_with_nothing_in_it_is_tried_again_after_a_wait():
+    # An API server too busy to serve a watch closes it at once ("unresponsive"); watching again
+    # at once from the same resourceVersion, with more to replay each time, fed its load.
+    objects = FakeObjects([obj("a", 1)], streams=[[], [], [{"type": "MODIFIED", "object": obj("a", 5)}]])
+    changes: list = []
+    inf = informer(objects, changes)
+    inf.retry_delay = 0.1
+    started = asyncio.get_running_loop().time()
+    await run_until(inf, lambda: len(changes) == 2)
+    assert asyncio.get_running_loop().time() - started >= 0.1 + 0.2  # waited 0.1-0.2 s, then 0.2-0.4 s
+    assert [c["resourceVersion"] for c in objects.calls if c.get("watch")][:3] == ["100", "100", "100"]
+
+
+async def test_a_watch_that_brought_events_is_followed_at_once():
+    objects = FakeObjects([obj("a", 1)], streams=[[{"type": "MODIFIED", "object": obj("a", 5)}],
+                                                  [{"type": "MODIFIED", "object": obj("a", 6)}]])
+    changes: list = []
+    inf = informer(objects, changes)
+    inf.retry_delay = 5
+    await run_until(inf, lambda: len(changes) == 3, timeout=1)

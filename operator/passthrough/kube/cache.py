@@ -192,15 +192,27 @@ class Informer(Generic[V]):
 
     retry_delay = 1.0  # the first wait after a failure; doubled up to 30 s while it lasts
     relist_jitter = 1.0  # at most this many seconds before listing again after a 410
+    short_watch = 1.0  # seconds: a watch that ends sooner with no event in it counts as a failure
 
     async def run(self) -> None:
         backoff = self.retry_delay
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 if not self._resource_version:
                     await self.relist()
-                await self._watch()
-                backoff = self.retry_delay
+                started = loop.time()
+                if await self._watch() or loop.time() - started >= self.short_watch:
+                    backoff = self.retry_delay
+                    continue
+                # Ended at once with nothing in it, as client-go's reflector calls "very short
+                # watch": an API server too busy to serve it closes it so ("watcher close due
+                # to unresponsiveness"), and at once again from the same resourceVersion, with
+                # more to replay each time: wait, as after any failure.
+                wait = jittered(backoff)
+                log.debug("watch of %s ended at once with no event; again in %.1fs", self.plural, wait)
+                await asyncio.sleep(wait)
+                backoff = min(backoff * 2, 30)
             except asyncio.CancelledError:
                 raise
             except ApiError as exc:
@@ -247,13 +259,17 @@ class Informer(Generic[V]):
         self._resource_version = listed
         self.synced.set()
 
-    async def _watch(self) -> None:
+    async def _watch(self) -> int:
+        """Follow one watch until it ends; the number of events it brought (bookmarks too)."""
+        events = 0
         async for kind, body in watch_events(self.session, self._path, labelSelector=self.label_selector,
                                              resourceVersion=self._resource_version, allowWatchBookmarks=True):  # fmt: skip
+            events += 1
             self._resource_version = (body.get("metadata") or {}).get("resourceVersion") or self._resource_version
             if kind == "BOOKMARK":
                 continue
             self._set(self._key(body), None if kind == "DELETED" else body)
+        return events
 
     @property
     def _path(self) -> str:
