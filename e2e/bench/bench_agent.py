@@ -136,7 +136,7 @@ async def bench_single(local: cluster.LocalCluster, root: Path, gpus: int, idle:
             cpu = run.cpu() - before[what]
             rss[what] = max(rss[what], run.rss())
             spent = f"{cpu:.2f} s" if cpu >= 0.01 else "under 0.01 s (one clock tick)"
-            print(f"one agent, {what + ':':<20} first report {firsts[what]:.1f} s after exec, RSS {rss[what]:.0f} MiB, "
+            print(f"one agent, {what + ':':<20} first report {firsts[what]:.1f} s after exec, RSS {rss[what]:.1f} MiB, "
                   f"CPU {spent} over {idle:.0f} s idle = {max(cpu, 0.01) * 3600 / idle:.1f} s per idle hour (extrapolated)")
     finally:
         for run in runs.values():
