@@ -14,9 +14,10 @@ from passthrough.agent.main import TLS_READ_BUFFER, smaller_tls_buffers
 
 
 async def test_a_tls_connection_made_by_the_agent_reads_into_the_smaller_buffer(monkeypatch):
-    monkeypatch.setattr(sslproto.SSLProtocol, "max_size", sslproto.SSLProtocol.max_size)  # restored after
+    # asyncio's own size, whatever an agent run in this test process set before (restored after).
+    monkeypatch.setattr(sslproto.SSLProtocol, "max_size", 256 * 1024)
     before = sslproto.SSLProtocol(asyncio.get_running_loop(), asyncio.Protocol(), ssl.create_default_context(), None)
     smaller_tls_buffers()
     after = sslproto.SSLProtocol(asyncio.get_running_loop(), asyncio.Protocol(), ssl.create_default_context(), None)
-    assert len(before._ssl_buffer) == 256 * 1024  # asyncio's own, which the agent does not keep
+    assert len(before._ssl_buffer) == 256 * 1024  # the attribute is what a connection's buffer is made from
     assert len(after._ssl_buffer) == TLS_READ_BUFFER == 64 * 1024
