@@ -209,10 +209,7 @@ class Informer(Generic[V]):
                 # watch": an API server too busy to serve it closes it so ("watcher close due
                 # to unresponsiveness"), and at once again from the same resourceVersion, with
                 # more to replay each time: wait, as after any failure.
-                wait = jittered(backoff)
-                log.debug("watch of %s ended at once with no event; again in %.1fs", self.plural, wait)
-                await asyncio.sleep(wait)
-                backoff = min(backoff * 2, 30)
+                backoff = await self._back_off(backoff, logging.DEBUG, "watch of %s ended at once with no event")
             except asyncio.CancelledError:
                 raise
             except ApiError as exc:
@@ -222,15 +219,16 @@ class Informer(Generic[V]):
                     # etcd's compaction: spread the relists instead of listing in step.
                     await asyncio.sleep(random.uniform(0, self.relist_jitter))
                     continue
-                wait = jittered(backoff)
-                log.warning("watching %s failed (%s %s); again in %.1fs", self.plural, exc.status, exc.reason, wait)
-                await asyncio.sleep(wait)
-                backoff = min(backoff * 2, 30)
+                backoff = await self._back_off(backoff, logging.WARNING, "watching %s failed (%s %s)", exc.status, exc.reason)
             except Exception as exc:  # connection resets and the like
-                wait = jittered(backoff)
-                log.warning("watching %s broke (%s); again in %.1fs", self.plural, exc or type(exc).__name__, wait)
-                await asyncio.sleep(wait)
-                backoff = min(backoff * 2, 30)
+                backoff = await self._back_off(backoff, logging.WARNING, "watching %s broke (%s)", exc or type(exc).__name__)
+
+    async def _back_off(self, backoff: float, level: int, why: str, *args: object) -> float:
+        """Wait about `backoff` seconds (jittered), saying why; the wait after the next failure in a row."""
+        wait = jittered(backoff)
+        log.log(level, why + "; again in %.1fs", self.plural, *args, wait)
+        await asyncio.sleep(wait)
+        return min(backoff * 2, 30)
 
     async def relist(self) -> None:
         """List (again): at start, after the watch fell too far behind, or after connection
