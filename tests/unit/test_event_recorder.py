@@ -50,24 +50,6 @@ async def test_every_event_is_posted_in_order_with_few_in_flight():
     assert first["firstTimestamp"] == first["lastTimestamp"] and first["type"] == "Normal" and first["count"] == 1
 
 
-async def test_events_wait_for_the_work_to_be_done_but_not_longer_than_max_delay():
-    core = FakeCore()
-    busy = asyncio.Event()
-    events = recorder(core, quiet=busy.wait, max_delay=0.5)
-    events.post(involved(1), "Normal", "Assigned", "during the burst")
-    await asyncio.sleep(0.2)
-    assert core.posted == []  # the work is not done: it waits
-    busy.set()
-    await asyncio.wait_for(events.drain(), 1)
-    assert len(core.posted) == 1
-
-    never = asyncio.Event()
-    events = recorder(core, quiet=never.wait, max_delay=0.3)
-    events.post(involved(2), "Normal", "Assigned", "in endless churn")
-    await asyncio.wait_for(events.drain(), 2)  # posted anyway, at most max_delay late
-    assert core.posted[-1]["message"] == "in endless churn"
-
-
 async def test_past_the_backlog_the_oldest_events_are_dropped_and_counted():
     core = FakeCore()
     events = recorder(core, concurrency=1, backlog=5)

@@ -97,18 +97,3 @@ async def test_wait_empty_returns_once_no_key_waits_or_is_processed():
     assert not empty.done()
     queue.done(await queue.get())
     await asyncio.wait_for(empty, 1)
-
-
-async def test_wait_settled_waits_for_an_empty_spell_not_a_moment_between_keys():
-    queue = WorkQueue()
-    queue.add("a")
-    settled = asyncio.create_task(queue.wait_settled(0.2))
-    queue.done(await queue.get())  # empty for a moment...
-    await asyncio.sleep(0.1)
-    queue.add("b")  # ...then busy again, as in a burst
-    await asyncio.sleep(0.15)
-    assert not settled.done()  # 0.2 s have passed since the first empty moment, but not in a row
-    queue.done(await queue.get())
-    await asyncio.sleep(0.1)
-    assert not settled.done()
-    await asyncio.wait_for(settled, 1)

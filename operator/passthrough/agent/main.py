@@ -18,24 +18,10 @@ from passthrough.agent.handover import Handover
 from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
 from passthrough.agent.metrics import AGENT, AGENT_STATE
 from passthrough.durations import DurationError, parse_duration
-from passthrough.kube.connect import CannotStart, session
+from passthrough.kube.connect import CannotStart, session, smaller_tls_buffers
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger("passthrough.agent")
-
-# asyncio gives every TLS connection a buffer of SSLProtocol.max_size (256 KiB) for the bytes it
-# decrypts, zeroed when made, so all of it resident: 1.75 MiB of the agent's memory for its
-# seven connections to the API server, whose answers are its own node's few objects. 64 KiB
-# is four TLS records a read. (Class-wide, and only in the agent's process.)
-TLS_READ_BUFFER = 64 * 1024
-
-
-def smaller_tls_buffers() -> None:
-    """Every TLS connection made from now on in this process reads into TLS_READ_BUFFER bytes."""
-    from asyncio import sslproto
-
-    sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
-
 
 async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter: float = 0.0) -> int:
     api = await session(args.kubeconfig, connections=CONNECTIONS)

@@ -20,7 +20,7 @@ from passthrough import metrics
 from passthrough.api.models import NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
 from passthrough.controller.metrics import OPERATOR, OPERATOR_STATE
 from passthrough.durations import DurationError, parse_duration
-from passthrough.kube.connect import CannotStart, session
+from passthrough.kube.connect import CannotStart, session, smaller_tls_buffers
 from passthrough.kube.preflight import require_crds
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if leadership is not None:
         memo.leadership = leadership  # handlers.startup gates the reconciler on it
     OPERATOR_STATE.reconciler = lambda: memo.get("reconciler")  # made by handlers.startup
+    smaller_tls_buffers()
     return asyncio.run(_operate(memo, args))
 
 

@@ -18,7 +18,6 @@ class WorkQueue:
         self._timers: dict[Hashable, asyncio.TimerHandle] = {}
         self._empty = asyncio.Event()
         self._empty.set()
-        self._empty_since = 0.0  # loop time the queue last ran empty
 
     def add(self, key: Hashable) -> None:
         if key in self._dirty:
@@ -55,23 +54,10 @@ class WorkQueue:
             self._queue.put_nowait(key)
         elif not self._processing and not self._dirty:
             self._empty.set()
-            self._empty_since = asyncio.get_running_loop().time()
 
     async def wait_empty(self) -> None:
         """Until no key waits or is being processed (keys added later, by a timer, not counted)."""
         await self._empty.wait()
-
-    async def wait_settled(self, quiet_for: float) -> None:
-        """Until the queue has stayed empty `quiet_for` seconds in a row: in a burst it runs dry
-        for moments whenever the workers catch up, which is no time to spend the API server on
-        anything else."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._empty.wait()
-            remaining = self._empty_since + quiet_for - loop.time()
-            if remaining <= 0:
-                return
-            await asyncio.sleep(remaining)
 
     def __len__(self) -> int:
         return len(self._dirty) + len(self._processing)

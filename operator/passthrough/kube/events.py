@@ -7,7 +7,6 @@ import collections
 import contextlib
 import datetime
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from passthrough.kube.client import MERGE_PATCH, ApiError, session_of
@@ -20,28 +19,20 @@ _REFERENCE_FIELDS = {"api_version": "apiVersion", "resource_version": "resourceV
 class EventRecorder:
     """Posts core/v1 Events in the background; a failure to post is logged, never raised.
 
-    Events wait their turn in a queue, at most `concurrency` in flight. With `quiet` (a wait
-    until the poster's own work is done, such as the work queue running empty), an Event also
-    waits for that, but never more than `max_delay` seconds: in a burst (hundreds of
-    assignments at once) they yield the API server to the writes that make the transitions.
-    None is dropped for that: every transition gets its Event, in order, seconds later at
-    most, stamped with when it happened. Should more than `backlog` wait (the API server
-    away for long), the oldest are dropped and counted in a warning; the objects' conditions
-    still say where each one stands.
+    Events wait their turn in a queue, at most `concurrency` in flight, in order, each stamped
+    with when it happened. Should more than `backlog` wait (the API server away for long), the
+    oldest are dropped and counted in a warning; the objects' conditions still say where each
+    one stands.
 
     Events of cluster-scoped objects go to the `default` namespace, where kubectl describe
     finds them.
     """
 
-    def __init__(
-        self, api: Any, component: str, concurrency: int = 4, backlog: int = 10_000,
-        quiet: Callable[[], Awaitable[None]] | None = None, max_delay: float = 10.0,
-    ) -> None:  # fmt: skip
+    def __init__(self, api: Any, component: str, concurrency: int = 4, backlog: int = 10_000) -> None:
         self.session = session_of(api)
         self.component = component
         self.concurrency, self.backlog = concurrency, backlog
-        self.quiet, self.max_delay = quiet, max_delay
-        self._pending: collections.deque[tuple[float, tuple[dict[str, Any], str, str, str, datetime.datetime]]] = collections.deque()
+        self._pending: collections.deque[tuple[dict[str, Any], str, str, str, datetime.datetime]] = collections.deque()
         self._posters: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -58,7 +49,7 @@ class EventRecorder:
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("%d Events dropped: more than %d waited to be posted", self.dropped, self.backlog)
         now = datetime.datetime.now(datetime.UTC)
-        self._pending.append((asyncio.get_running_loop().time(), (involved, type_, reason, message, now)))
+        self._pending.append((involved, type_, reason, message, now))
         self._idle.clear()
         self._start_posters()
 
@@ -77,15 +68,8 @@ class EventRecorder:
             self._idle.set()
 
     async def _poster(self) -> None:
-        loop = asyncio.get_running_loop()
         while self._pending:
-            hold = self.max_delay - (loop.time() - self._pending[0][0])
-            if self.quiet is not None and hold > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.quiet(), hold)
-                if not self._pending:
-                    break
-            await self._post(*self._pending.popleft()[1])
+            await self._post(*self._pending.popleft())
 
     async def _post(self, involved: dict[str, Any], type_: str, reason: str, message: str, when: datetime.datetime) -> None:
         namespace = involved.get("namespace") or "default"
@@ -153,7 +137,6 @@ class EventRecorder:
 
     async def close(self, timeout: float = 5) -> None:
         """Drain for at most `timeout` seconds (the API server may be gone), then stop posting."""
-        self.quiet = None  # nothing more to wait for
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.drain(), timeout)
         self._pending.clear()
