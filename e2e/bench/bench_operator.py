@@ -320,7 +320,8 @@ async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: 
     """`burst` assigned at once, measured until everything is quiet (the last write of our
     objects or an Event the watches see); then, with the operator stopped, the floor: the same
     writes and Events the operator made, for `floor_names`, by a plain client at full
-    concurrency. Returns the ratio of the two, that of their CPU, and the operator (started again)."""
+    concurrency; and the admin's spec writes alone, for `admin_names` (left assigned). Returns the
+    ratio of burst and floor, that of their CPU, and the operator (started again)."""
     before = await support.write_counts(api)
     cpu_before = cpu_seconds(operator.proc.pid)
     cpu_burst = CPU(cluster, operator)
