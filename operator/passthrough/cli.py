@@ -61,6 +61,10 @@ def _add_metrics_flags(p: argparse.ArgumentParser, component: str) -> None:
         help=f"serve the {component}'s Prometheus metrics on http://ADDR:PORT/metrics; 0: none (default)",
     )  # fmt: skip
     p.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDR", help="address the metrics listen on (default 0.0.0.0)")
+    p.add_argument(
+        "--metrics-auth", action="store_true",
+        help="serve the metrics only to a bearer token whose user may get /metrics (TokenReview, SubjectAccessReview)",
+    )  # fmt: skip
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:

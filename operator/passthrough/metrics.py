@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -94,8 +94,12 @@ def names(registry: CollectorRegistry) -> set[str]:
 # connection, as Prometheus does.
 _HEAD_LIMIT = 8192
 _IDLE = 60.0
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Content Too Large",
-            431: "Request Header Fields Too Large"}  # fmt: skip
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+            405: "Method Not Allowed", 413: "Content Too Large", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}  # fmt: skip
+_REFUSED = {401: "a bearer token the API server knows is needed: Authorization: Bearer <token>\n",
+            403: "this token's user may not get /metrics (the chart's metrics-reader ClusterRole grants it)\n",
+            503: "the API server could not be asked about this token; try again\n"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +154,14 @@ def _response(status: int, body: bytes | str, content_type: str = "text/plain; c
 
 
 class Endpoint:
-    """The listening /metrics endpoint; `cleanup()` stops it and closes its connections."""
+    """The listening /metrics endpoint; `cleanup()` stops it and closes its connections.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    With `authorize` (kube/review.py MetricsReviewer: the request's bearer token, or None, to an
+    HTTP status), the metrics go only to a request it answers 200 for."""
+
+    def __init__(self, registry: CollectorRegistry, authorize: Callable[[str | None], Awaitable[int]] | None = None) -> None:
         self.registry = registry
+        self.authorize = authorize
         self.server: asyncio.Server | None = None
         self.connections: set[asyncio.StreamWriter] = set()
 
@@ -185,7 +193,7 @@ class Endpoint:
                 if not await _skip_body(reader, request.headers):
                     writer.write(_response(413, "a request body is not read here\n", close=True))
                     return
-                writer.write(self.answer(request))
+                writer.write(await self.respond(request))
                 await writer.drain()
                 if not request.keep_alive:
                     return
@@ -195,21 +203,28 @@ class Endpoint:
             self.connections.discard(writer)
             writer.close()
 
-    def answer(self, request: Request) -> bytes:
+    async def respond(self, request: Request) -> bytes:
         close = not request.keep_alive
         if request.path != "/metrics":
             return _response(404, "not found: the metrics are at /metrics\n", close=close)
         if request.method not in ("GET", "HEAD"):
             return _response(405, "only GET and HEAD\n", close=close, headers={"Allow": "GET, HEAD"})
+        if self.authorize is not None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            status = await self.authorize(token.strip() if scheme.lower() == "bearer" else None)
+            if status != 200:
+                challenge = {"WWW-Authenticate": 'Bearer realm="metrics"'} if status == 401 else {}
+                return _response(status, _REFUSED.get(status, "refused\n"), close=close, headers=challenge)
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return _response(200, encoder(self.registry), content_type, close=close, head=request.method == "HEAD")
 
 
-async def serve(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> Endpoint | None:
-    """Serve `registry` on http://addr:port/metrics until the endpoint is cleaned up; None with
-    port 0. OSError when the port cannot be had."""
+async def serve(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0",
+                authorize: Callable[[str | None], Awaitable[int]] | None = None) -> Endpoint | None:  # fmt: skip
+    """Serve `registry` on http://addr:port/metrics until the endpoint is cleaned up (to whom
+    `authorize` allows, if given); None with port 0. OSError when the port cannot be had."""
     if not port:
         return None
-    endpoint = Endpoint(registry)
+    endpoint = Endpoint(registry, authorize)
     endpoint.server = await asyncio.start_server(endpoint.connection, addr, port, limit=_HEAD_LIMIT)
     return endpoint

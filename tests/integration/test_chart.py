@@ -100,8 +100,8 @@ def test_default_values_render_the_models_defaults_and_two_operator_replicas(hel
          "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
          # The admission webhook, served by the operator.
          "ValidatingWebhookConfiguration", "Service", "Secret",
-         # Metrics: the operator's and the agents' Services, and the Grafana dashboard.
-         "Service", "Service", "ConfigMap"]
+         # Metrics: the operator's and the agents' Services, the Grafana dashboard, and who may read them.
+         "Service", "Service", "ConfigMap", "ClusterRole"]
     )
     config = one(objects, "PassthroughConfig")
     assert config["metadata"]["name"] == "cluster"
@@ -472,6 +472,15 @@ def test_the_service_accounts_may_do_nothing_more(cluster, release):
     # OwnerReferencesPermissionEnforcement (not enabled in the test control plane, on in many
     # clusters) asks this of whoever sets blockOwnerDeletion on a PCIDevice.
     assert can_i(cluster, release, "operator", "update", "nodepcidevices.passthrough.io", "--subresource=finalizers")
+
+
+def test_both_accounts_may_review_a_metrics_scraper_and_the_reader_role_grants_only_get_metrics(cluster, release):
+    # --metrics-auth (the chart's default): each process asks the API server about a scraper's token.
+    for component in ("agent", "operator"):
+        assert can_i(cluster, release, component, "create", "tokenreviews.authentication.k8s.io")
+        assert can_i(cluster, release, component, "create", "subjectaccessreviews.authorization.k8s.io")
+    reader = [o for o in release["objects"] if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("-metrics-reader")]
+    assert [o["rules"] for o in reader] == [[{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]]
 
 
 # -- the real agent and operator with only the chart's RBAC ------------------------------------

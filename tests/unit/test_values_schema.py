@@ -144,7 +144,7 @@ def test_every_key_of_the_default_values_is_in_the_schema_with_a_description():
 def test_the_metrics_values_are_part_of_the_schema():
     metrics = default_values()["metrics"]
     assert metrics == {
-        "enabled": True, "operatorPort": 9090, "agentPort": 9091,
+        "enabled": True, "authentication": True, "operatorPort": 9090, "agentPort": 9091,
         "serviceMonitor": {"enabled": False, "interval": "30s", "labels": {}},
         "dashboard": {"enabled": True, "labels": {"grafana_dashboard": "1"}},
     }  # fmt: skip

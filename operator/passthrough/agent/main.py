@@ -19,6 +19,7 @@ from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
 from passthrough.agent.metrics import AGENT, AGENT_STATE
 from passthrough.durations import DurationError, parse_duration
 from passthrough.kube.connect import CannotStart, session, smaller_tls_buffers
+from passthrough.kube.review import MetricsReviewer
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger("passthrough.agent")
@@ -52,7 +53,8 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
         )
         AGENT_STATE.plugins = lambda: handover.plugins if handover is not None else None
         try:
-            endpoint = await metrics.serve(AGENT, args.metrics_port, args.metrics_addr)
+            endpoint = await metrics.serve(AGENT, args.metrics_port, args.metrics_addr,
+                                           MetricsReviewer(api) if args.metrics_auth else None)  # fmt: skip
         except OSError as exc:
             raise AgentError(f"--metrics-port {args.metrics_port}: {exc}") from None
         loop = asyncio.get_running_loop()

@@ -193,6 +193,10 @@ class MetricsValues(Values):
     """Prometheus metrics, served by the operator and by every agent."""
 
     enabled: bool = Field(description="Serve metrics and make a Service for them.")
+    authentication: bool = Field(
+        description="Serve the metrics only to a bearer token whose user may get /metrics (TokenReview, "
+        "SubjectAccessReview); the chart's <release>-metrics-reader ClusterRole grants it."
+    )
     operatorPort: Port = Field(description="The operator's metrics port.")
     agentPort: Port = Field(description="The agents' metrics port (on each agent pod's address).")
     serviceMonitor: ServiceMonitorValues = Field(description="A ServiceMonitor for the Prometheus Operator.")

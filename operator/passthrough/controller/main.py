@@ -22,6 +22,7 @@ from passthrough.controller.metrics import OPERATOR, OPERATOR_STATE
 from passthrough.durations import DurationError, parse_duration
 from passthrough.kube.connect import CannotStart, session, smaller_tls_buffers
 from passthrough.kube.preflight import require_crds
+from passthrough.kube.review import MetricsReviewer
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,15 @@ def run(args: argparse.Namespace) -> int:
 async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
     import kopf
 
+    # The metrics' reviews go on a session of their own: Kopf's startup makes the reconciler's.
+    reviews = await session(args.kubeconfig, connections=2) if args.metrics_auth and args.metrics_port else None
     try:
-        endpoint = await metrics.serve(OPERATOR, args.metrics_port, args.metrics_addr)
+        endpoint = await metrics.serve(OPERATOR, args.metrics_port, args.metrics_addr,
+                                       MetricsReviewer(reviews) if reviews is not None else None)  # fmt: skip
     except OSError as exc:
         print(f"passthrough operator: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
+        if reviews is not None:
+            await reviews.close()
         return 1
     readiness = None
     try:
@@ -143,6 +149,8 @@ async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
         print(f"passthrough operator: --readiness {args.readiness}: {exc}", file=sys.stderr)
         if endpoint is not None:
             await endpoint.cleanup()
+        if reviews is not None:
+            await reviews.close()
         return 1
     try:
         # standalone: no Kopf peering (see handlers.startup); --leader-elect is what lets replicas run side by side.
@@ -155,6 +163,8 @@ async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
         for runner in (endpoint, readiness):
             if runner is not None:
                 await runner.cleanup()
+        if reviews is not None:
+            await reviews.close()
     return 0
 
 
