@@ -118,13 +118,14 @@ class AgentRun:
 async def bench_single(local: cluster.LocalCluster, root: Path, gpus: int, idle: float, pci_ids: Path) -> None:
     """Both agents run side by side (each its own process and node), so one idle window serves both."""
     api = await connect(str(local.kubeconfig))
-    # Each serves its metrics, as the chart runs it (metrics.enabled), on a port of its own here.
+    # Each serves its metrics, as the chart runs it (metrics.enabled, metrics.authentication), on
+    # a port of its own here.
     ports = cluster.free_ports(2)
     runs = {
         "reporting only": AgentRun(local, root, "single-report", gpus, pci_ids, "--no-device-plugin",
-                                   f"--metrics-port={ports[0]}", "--metrics-addr=127.0.0.1"),
+                                   f"--metrics-port={ports[0]}", "--metrics-addr=127.0.0.1", "--metrics-auth"),
         "with device plugins": AgentRun(local, root, "single-plugins", gpus, pci_ids, f"--metrics-port={ports[1]}",
-                                        "--metrics-addr=127.0.0.1"),
+                                        "--metrics-addr=127.0.0.1", "--metrics-auth"),
     }  # fmt: skip
     try:
         firsts = {what: await run.start(api) for what, run in runs.items()}

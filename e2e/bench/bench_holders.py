@@ -83,10 +83,10 @@ async def bench(local, root: Path, trials: int) -> None:
     agent = None
     try:
         with FakeKernel(host):
-            # Its metrics served, as the chart runs it (metrics.enabled), on a free port here.
+            # Its metrics served, as the chart runs it (metrics.enabled, metrics.authentication), on a free port here.
             metrics_port = cluster.free_ports(1)[0]
             agent = AgentProcess(local, root / "agent.log", node.node_name, host, PCI_IDS, f"--metrics-port={metrics_port}",
-                                 "--metrics-addr=127.0.0.1", kubelet=node).start()  # fmt: skip
+                                 "--metrics-addr=127.0.0.1", "--metrics-auth", kubelet=node).start()  # fmt: skip
             await support.wait_resources(core, node.node_name, {POOL: "2"}, agent, timeout=60)
             names = await support.device_names(api, node.node_name)
             await asyncio.sleep(SETTLE)
