@@ -24,6 +24,7 @@ from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger("passthrough.agent")
 
+
 async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter: float = 0.0) -> int:
     api = await session(args.kubeconfig, connections=CONNECTIONS)
     endpoint = None

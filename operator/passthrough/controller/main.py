@@ -130,17 +130,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
-    import kopf
-
     # The metrics' reviews go on a session of their own: Kopf's startup makes the reconciler's.
     reviews = await session(args.kubeconfig, connections=2) if args.metrics_auth and args.metrics_port else None
     try:
-        endpoint = await metrics.serve(OPERATOR, args.metrics_port, args.metrics_addr,
-                                       MetricsReviewer(reviews) if reviews is not None else None)  # fmt: skip
-    except OSError as exc:
-        print(f"passthrough operator: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
+        return await _serve_and_operate(memo, args, MetricsReviewer(reviews) if reviews is not None else None)
+    finally:
         if reviews is not None:
             await reviews.close()
+
+
+async def _serve_and_operate(memo: kopf.Memo, args: argparse.Namespace, authorize: MetricsReviewer | None) -> int:
+    import kopf
+
+    try:
+        endpoint = await metrics.serve(OPERATOR, args.metrics_port, args.metrics_addr, authorize)
+    except OSError as exc:
+        print(f"passthrough operator: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
         return 1
     readiness = None
     try:
@@ -149,8 +154,6 @@ async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
         print(f"passthrough operator: --readiness {args.readiness}: {exc}", file=sys.stderr)
         if endpoint is not None:
             await endpoint.cleanup()
-        if reviews is not None:
-            await reviews.close()
         return 1
     try:
         # standalone: no Kopf peering (see handlers.startup); --leader-elect is what lets replicas run side by side.
@@ -163,8 +166,6 @@ async def _operate(memo: kopf.Memo, args: argparse.Namespace) -> int:
         for runner in (endpoint, readiness):
             if runner is not None:
                 await runner.cleanup()
-        if reviews is not None:
-            await reviews.close()
     return 0
 
 
