@@ -48,7 +48,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     # server gets the operator's whole backlog at once (with 16, a burst of 500 assignments took
     # 9.5 s to settle instead of 7; bench_operator.py). Their TLS buffers are small (kube/connect.py).
     workers = memo.get("workers", 64)
-    memo.api = await session(memo.get("kubeconfig"), connections=memo.get("connections", workers))
+    memo.api = await session(memo.get("kubeconfig"), connections=workers)
     # The kinds that number in the thousands are cached by our own informers (see kube/cache.py);
     # the few namespaces, nodes, VMs, configs and KubeVirt CRs stay in Kopf's indexes.
     memo.node_devices = Informer(memo.api, NODE_PCI_DEVICE.plural, NodeDevice.of, NODE_DEVICE_INDEXES,
