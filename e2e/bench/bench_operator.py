@@ -18,9 +18,10 @@ operator runs as its own process. In one run, with the machine's core count, it 
   operator's own writes and Events for as many assignments (PCIDevice create + status,
   NodePCIDevice status, two Events) by a plain client at full concurrency, with the operator
   stopped so that nothing reacts to them; the median ratio and its spread, the CPU every
-  process spent in each, writes per assignment; and, the operator still stopped, the admin's
-  spec writes alone for as many other devices (the least a burst can take on these cores is
-  the floor plus these); then enough
+  process spent in each, writes per assignment; and, the operator still stopped, the least
+  a burst can take on these cores: the admin's spec writes for as many other devices and
+  the floor's writes for as many more, at once, by a plain client (the burst against it is
+  what the operator adds over a client that knows every write in advance); then enough
   assignments for `--assigned` PCIDevices and the operator's peak RSS with all of them, and
   the writes during an idle period (must be 0);
 - a restart over all of it, every condition already holding: its writes (must be 0) and the
@@ -315,13 +316,14 @@ async def assign_many(api, names: list[str], namespaces: list[str], concurrency:
 
 
 async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: list[str], burst: list[str],
-                    floor_names: list[str], admin_names: list[str], round_: int, operator_args: list[str],
-                    workdir: Path) -> tuple[float, float, OperatorProcess]:  # fmt: skip
+                    floor_names: list[str], once_names: list[str], admin_names: list[str], round_: int,
+                    operator_args: list[str], workdir: Path) -> tuple[float, float, float, OperatorProcess]:  # fmt: skip
     """`burst` assigned at once, measured until everything is quiet (the last write of our
     objects or an Event the watches see); then, with the operator stopped, the floor: the same
     writes and Events the operator made, for `floor_names`, by a plain client at full
-    concurrency; and the admin's spec writes alone, for `admin_names` (left assigned). Returns the
-    ratio of burst and floor, that of their CPU, and the operator (started again)."""
+    concurrency; and the admin's spec writes for `admin_names` (left assigned) at once with the
+    floor's writes for `once_names`. Returns the ratio of burst and floor, that of their CPU,
+    the ratio of burst and the writes at once, and the operator (started again)."""
     before = await support.write_counts(api)
     cpu_before = cpu_seconds(operator.proc.pid)
     cpu_burst = CPU(cluster, operator)
@@ -353,12 +355,15 @@ async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: 
     floor = await floor_of(api, bodies)
     cpu_floor_spent, cpu_floor = cpu_floor.spent(), str(cpu_floor)
     await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
-    # The admin's own writes alone, for `admin_names` (the operator still stopped; it takes them
-    # up when it starts again): what no operator can take off a burst on these shared cores.
-    cpu_admin = CPU(cluster, None)
-    admin_started = time.monotonic()
-    await asyncio.gather(*(support.assign(api, n, namespaces[i % 10]) for i, n in enumerate(admin_names)))
-    admin_alone, cpu_admin_spent = time.monotonic() - admin_started, cpu_admin.spent()
+    # The admin's writes, for `admin_names`, at once with the floor's writes, for `once_names`, by
+    # a plain client that knows them all in advance (the operator still stopped; it takes the
+    # assignments up when it starts again): the least a burst can take on these shared cores.
+    once_bodies = [operator_writes(fleet.records[n], "bench-floor", events=True) for n in once_names]
+    cpu_once = CPU(cluster, None)
+    once_started = time.monotonic()
+    await asyncio.gather(floor_of(api, once_bodies), *(support.assign(api, n, namespaces[i % 10]) for i, n in enumerate(admin_names)))
+    at_once, cpu_once_spent = time.monotonic() - once_started, cpu_once.spent()
+    await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
     operator, _ = await start_operator(cluster, workdir, f"after-floor-{round_}", operator_args)
     await until_started_up(operator, 300)
     await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
@@ -372,10 +377,11 @@ async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: 
           f"plain client {floor:.2f}s; burst/floor {quiet / floor:.2f}x to quiet ({done / floor:.2f}x to the last Assigned=True); "
           f"CPU of the operator and the control plane {cpu_burst_spent:.1f}s against {cpu_floor_spent:.1f}s: "
           f"{cpu_burst_spent / cpu_floor_spent:.2f}x (less at the mercy of a shared machine than the wall clock)")
-    print(f"  the admin's {len(admin_names)} spec writes alone, operator stopped: {admin_alone:.2f}s, control plane CPU "
-          f"{cpu_admin_spent:.1f}s; with the floor, the least a burst can take here: {(floor + admin_alone) / floor:.2f}x")
+    print(f"  the admin's {len(admin_names)} spec writes and the floor's writes for {len(once_names)} more at once, by a plain "
+          f"client, operator stopped: {at_once:.2f}s, control plane CPU {cpu_once_spent:.1f}s; the least a burst can take here: "
+          f"{at_once / floor:.2f}x the floor; the burst took {quiet / at_once:.2f}x that")
     print(f"  burst {cpu_burst}\n  floor {cpu_floor}")
-    return quiet / floor, cpu_burst_spent / cpu_floor_spent, operator
+    return quiet / floor, cpu_burst_spent / cpu_floor_spent, quiet / at_once, operator
 
 
 async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
@@ -435,15 +441,18 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         # Bursts, each beside its floor (the ratio varies from one to the next on a busy 2-core
         # machine: the median and the spread are reported).
         bursts = []
-        ratios, cpu_ratios = [], []
+        ratios, cpu_ratios, once_ratios = [], [], []
         for round_ in range(1, args.bursts + 1):
             burst = [next(free) for _ in range(args.burst)]
             floor_names = [next(free) for _ in range(args.burst)]
+            once_names = [next(free) for _ in range(args.burst)]
             admin_names = [next(free) for _ in range(args.burst)]
-            ratio, cpu_ratio, operator = await one_burst(api, cluster, operator, watched, events_seen, fleet, namespaces, burst, floor_names,
-                                              admin_names, round_, args.operator_args, workdir)  # fmt: skip
+            ratio, cpu_ratio, once_ratio, operator = await one_burst(
+                api, cluster, operator, watched, events_seen, fleet, namespaces, burst, floor_names, once_names, admin_names, round_,
+                args.operator_args, workdir)  # fmt: skip
             ratios.append(ratio)
             cpu_ratios.append(cpu_ratio)
+            once_ratios.append(once_ratio)
             bursts += burst + admin_names  # both assigned now
         ratio = statistics.median(ratios)
         spread = f"{min(ratios):.2f}x to {max(ratios):.2f}x"
@@ -451,6 +460,8 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
               f"({', '.join(f'{r:.2f}x' for r in ratios)})")
         print(f"burst/floor in CPU (operator and control plane) over {len(cpu_ratios)} bursts: median "
               f"{statistics.median(cpu_ratios):.2f}x, {min(cpu_ratios):.2f}x to {max(cpu_ratios):.2f}x")
+        print(f"burst against the admin's and the floor's writes at once by a plain client, over {len(once_ratios)} bursts: median "
+              f"{statistics.median(once_ratios):.2f}x, {min(once_ratios):.2f}x to {max(once_ratios):.2f}x")
 
         # Up to `--assigned` PCIDevices, then the memory they cost.
         more = [next(free) for _ in range(max(0, args.assigned - len(sequential) - len(bursts)))]
@@ -491,7 +502,8 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             print(f"per 1,000 devices more: start-up +{(t1 - t0) * per:.1f}s, peak RSS +{(r1 - r0) * per:.1f} MiB")
         print(f"memory with {biggest} NodePCIDevices and {len(assigned)} PCIDevices: {memory:.0f} MiB")
         print(f"burst/floor (operator alone, to quiet): median {ratio:.2f}x ({spread}) over {len(ratios)} bursts of "
-              f"{args.burst} assignments")
+              f"{args.burst} assignments; against the same writes and the admin's at once by a plain client: median "
+              f"{statistics.median(once_ratios):.2f}x")
         print(f"restart: {restart_writes} writes, queue empty after {ready:.1f}s")
     finally:
         if operator is not None:
@@ -512,8 +524,8 @@ def main() -> int:
     parser.add_argument("--idle", type=float, default=30, help="seconds of idleness to count writes over")
     parser.add_argument("--operator-args", nargs="*", default=[], help="extra arguments for passthrough operator")
     args = parser.parse_args()
-    if max(args.sizes) < max(args.assigned, args.sequential + 2 * args.burst * args.bursts) + args.burst * args.bursts:
-        parser.error("the largest size must hold --assigned devices and the sequential, burst, admin-alone and floor ones")
+    if max(args.sizes) < max(args.assigned, args.sequential + 2 * args.burst * args.bursts) + 2 * args.burst * args.bursts:
+        parser.error("the largest size must hold --assigned devices and the sequential, burst, admin and both floors' ones")
     with tempfile.TemporaryDirectory() as tmp:
         cluster = local.start(Path(tmp))
         try:
