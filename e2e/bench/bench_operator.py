@@ -315,14 +315,15 @@ async def assign_many(api, names: list[str], namespaces: list[str], concurrency:
     await asyncio.gather(*(one(i, n) for i, n in enumerate(names)))
 
 
-async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: list[str], burst: list[str],
+async def one_burst(api, floor_api, cluster, operator, watched, events, fleet, namespaces: list[str], burst: list[str],
                     floor_names: list[str], once_names: list[str], admin_names: list[str], round_: int,
                     operator_args: list[str], workdir: Path) -> tuple[float, float, float, OperatorProcess]:  # fmt: skip
     """`burst` assigned at once, measured until everything is quiet (the last write of our
     objects or an Event the watches see); then, with the operator stopped, the floor: the same
     writes and Events the operator made, for `floor_names`, by a plain client at full
-    concurrency; and the admin's spec writes for `admin_names` (left assigned) at once with the
-    floor's writes for `once_names`. Returns the ratio of burst and floor, that of their CPU,
+    concurrency (`floor_api`: its own connections, as the operator has); and the admin's spec
+    writes for `admin_names` (left assigned, by `api`, as in the burst) at once with the floor's
+    writes for `once_names`. Returns the ratio of burst and floor, that of their CPU,
     the ratio of burst and the writes at once, and the operator (started again)."""
     before = await support.write_counts(api)
     cpu_before = cpu_seconds(operator.proc.pid)
@@ -352,7 +353,7 @@ async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: 
     operator.stop()
     bodies = [operator_writes(fleet.records[n], "bench-floor", events=True) for n in floor_names]
     cpu_floor = CPU(cluster, None)
-    floor = await floor_of(api, bodies)
+    floor = await floor_of(floor_api, bodies)
     cpu_floor_spent, cpu_floor = cpu_floor.spent(), str(cpu_floor)
     await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
     # The admin's writes, for `admin_names`, at once with the floor's writes, for `once_names`, by
@@ -361,7 +362,7 @@ async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: 
     once_bodies = [operator_writes(fleet.records[n], "bench-floor", events=True) for n in once_names]
     cpu_once = CPU(cluster, None)
     once_started = time.monotonic()
-    await asyncio.gather(floor_of(api, once_bodies), *(support.assign(api, n, namespaces[i % 10]) for i, n in enumerate(admin_names)))
+    await asyncio.gather(floor_of(floor_api, once_bodies), *(support.assign(api, n, namespaces[i % 10]) for i, n in enumerate(admin_names)))
     at_once, cpu_once_spent = time.monotonic() - once_started, cpu_once.spent()
     await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
     operator, _ = await start_operator(cluster, workdir, f"after-floor-{round_}", operator_args)
@@ -386,6 +387,7 @@ async def one_burst(api, cluster, operator, watched, events, fleet, namespaces: 
 
 async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
     api = await connect(str(cluster.kubeconfig))
+    floor_api = await connect(str(cluster.kubeconfig))  # the floor's plain client: connections of its own, as the operator's
     namespaces = [f"bench-{i}" for i in range(10)]
     for ns in [*namespaces, "bench-floor"]:
         await support.create_namespace(api, ns)
@@ -404,7 +406,7 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             await clear_operator_conditions(api, sorted(watched.conditioned))
             await watched.until(lambda: not watched.conditioned, 120, "the earlier operator's conditions to be cleared")
             await support.quiet(api, OURS, settle=2, timeout=300)
-            floor = await floor_of(api, [operator_writes(fleet.records[n]) for n in names])
+            floor = await floor_of(floor_api, [operator_writes(fleet.records[n]) for n in names])
             await support.quiet(api, OURS, settle=2, timeout=300)
             before = await support.write_counts(api)
             operator, launched = await start_operator(cluster, workdir, str(size), args.operator_args)
@@ -448,7 +450,7 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             once_names = [next(free) for _ in range(args.burst)]
             admin_names = [next(free) for _ in range(args.burst)]
             ratio, cpu_ratio, once_ratio, operator = await one_burst(
-                api, cluster, operator, watched, events_seen, fleet, namespaces, burst, floor_names, once_names, admin_names, round_,
+                api, floor_api, cluster, operator, watched, events_seen, fleet, namespaces, burst, floor_names, once_names, admin_names, round_,
                 args.operator_args, workdir)  # fmt: skip
             ratios.append(ratio)
             cpu_ratios.append(cpu_ratio)
@@ -510,6 +512,7 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             operator.stop()
         await watched.close()
         await events_seen.close()
+        await floor_api.close()
         await api.close()
 
 
