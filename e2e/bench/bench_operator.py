@@ -76,6 +76,10 @@ def cpu_seconds(pid: int) -> float:
     return times.user + times.system
 
 
+def spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}x to {max(ratios):.2f}x"
+
+
 class CPU:
     """CPU seconds of the operator, the control plane and this process over a stretch of time."""
 
@@ -351,20 +355,26 @@ async def one_burst(api, floor_api, cluster, operator, watched, events, fleet, n
     # The floor, with the operator stopped so that nothing reacts to the floor's objects: the
     # operator's writes and Events alone (the admin's spec writes are the burst's cause, not its cost).
     operator.stop()
-    bodies = [operator_writes(fleet.records[n], "bench-floor", events=True) for n in floor_names]
+
+    def floor_bodies(names: list[str]) -> list[list]:
+        return [operator_writes(fleet.records[n], "bench-floor", events=True) for n in names]
+
+    async def clear_floor() -> None:
+        await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
+
+    bodies = floor_bodies(floor_names)
     cpu_floor = CPU(cluster, None)
     floor = await floor_of(floor_api, bodies)
     cpu_floor_spent, cpu_floor = cpu_floor.spent(), str(cpu_floor)
-    await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
+    await clear_floor()
     # The admin's writes, for `admin_names`, at once with the floor's writes, for `once_names`, by
     # a plain client that knows them all in advance (the operator still stopped; it takes the
     # assignments up when it starts again): the least a burst can take on these shared cores.
-    once_bodies = [operator_writes(fleet.records[n], "bench-floor", events=True) for n in once_names]
     cpu_once = CPU(cluster, None)
     once_started = time.monotonic()
-    await asyncio.gather(floor_of(floor_api, once_bodies), *(support.assign(api, n, namespaces[i % 10]) for i, n in enumerate(admin_names)))
+    await asyncio.gather(floor_of(floor_api, floor_bodies(once_names)), *(support.assign(api, n, namespaces[i % 10]) for i, n in enumerate(admin_names)))
     at_once, cpu_once_spent = time.monotonic() - once_started, cpu_once.spent()
-    await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
+    await clear_floor()
     operator, _ = await start_operator(cluster, workdir, f"after-floor-{round_}", operator_args)
     await until_started_up(operator, 300)
     await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
@@ -456,14 +466,13 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             cpu_ratios.append(cpu_ratio)
             once_ratios.append(once_ratio)
             bursts += burst + admin_names  # both assigned now
-        ratio = statistics.median(ratios)
-        spread = f"{min(ratios):.2f}x to {max(ratios):.2f}x"
-        print(f"burst/floor (operator alone, to quiet) over {len(ratios)} bursts: median {ratio:.2f}x, {spread} "
+        ratio, once_ratio = statistics.median(ratios), statistics.median(once_ratios)
+        print(f"burst/floor (operator alone, to quiet) over {len(ratios)} bursts: median {ratio:.2f}x, {spread(ratios)} "
               f"({', '.join(f'{r:.2f}x' for r in ratios)})")
         print(f"burst/floor in CPU (operator and control plane) over {len(cpu_ratios)} bursts: median "
-              f"{statistics.median(cpu_ratios):.2f}x, {min(cpu_ratios):.2f}x to {max(cpu_ratios):.2f}x")
+              f"{statistics.median(cpu_ratios):.2f}x, {spread(cpu_ratios)}")
         print(f"burst against the admin's and the floor's writes at once by a plain client, over {len(once_ratios)} bursts: median "
-              f"{statistics.median(once_ratios):.2f}x, {min(once_ratios):.2f}x to {max(once_ratios):.2f}x")
+              f"{once_ratio:.2f}x, {spread(once_ratios)}")
 
         # Up to `--assigned` PCIDevices, then the memory they cost.
         more = [next(free) for _ in range(max(0, args.assigned - len(sequential) - len(bursts)))]
@@ -503,9 +512,9 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             per = 1000 / (s1 - s0)
             print(f"per 1,000 devices more: start-up +{(t1 - t0) * per:.1f}s, peak RSS +{(r1 - r0) * per:.1f} MiB")
         print(f"memory with {biggest} NodePCIDevices and {len(assigned)} PCIDevices: {memory:.0f} MiB")
-        print(f"burst/floor (operator alone, to quiet): median {ratio:.2f}x ({spread}) over {len(ratios)} bursts of "
+        print(f"burst/floor (operator alone, to quiet): median {ratio:.2f}x ({spread(ratios)}) over {len(ratios)} bursts of "
               f"{args.burst} assignments; against the same writes and the admin's at once by a plain client: median "
-              f"{statistics.median(once_ratios):.2f}x")
+              f"{once_ratio:.2f}x")
         print(f"restart: {restart_writes} writes, queue empty after {ready:.1f}s")
     finally:
         if operator is not None:
