@@ -17,13 +17,15 @@ operator runs as its own process. In one run, with the machine's core count, it 
   quiet (the last write of our objects or Event a watch sees), beside its floor: the
   operator's own writes and Events for as many assignments (PCIDevice create + status,
   NodePCIDevice status, two Events) by a plain client at full concurrency, with the operator
-  stopped so that nothing reacts to them; the median ratio and its spread, the CPU every
-  process spent in each, writes per assignment; and, the operator still stopped, the least
-  a burst can take on these cores: the admin's spec writes for as many other devices and
-  the floor's writes for as many more, at once, by a plain client (the burst against it is
-  what the operator adds over a client that knows every write in advance); then enough
-  assignments for `--assigned` PCIDevices and the operator's peak RSS with all of them, and
-  the writes during an idle period (must be 0);
+  stopped so that nothing reacts to them (on devices whose conditions are the floor's in place
+  of the operator's, so that its writes change objects of the same size; each floor's
+  conditions are taken back after it, as a live cluster has none); the median ratio and its
+  spread, the CPU every process spent in each, writes per assignment; and, the operator still
+  stopped, the least a burst can take on these cores: the admin's spec writes for as many
+  other devices and the floor's writes for as many more, at once, by a plain client (the
+  burst against it is what the operator adds over a client that knows every write in
+  advance); then enough assignments for `--assigned` PCIDevices and the operator's peak RSS
+  with all of them, and the writes during an idle period (must be 0);
 - a restart over all of it, every condition already holding: its writes (must be 0) and the
   time from launch until its work queue first runs empty (its "start-up done" log line).
 """
@@ -61,6 +63,7 @@ from passthrough.kube.events import EventRecorder  # noqa: E402
 from passthrough.kube.watch import watch_events  # noqa: E402
 
 OURS = ("pcidevices", "nodepcidevices")
+FLOOR = "bench-floor"  # the floor's field manager, Event source and namespace
 PER_NODE = 100
 
 
@@ -252,7 +255,7 @@ def operator_writes(record: dict, namespace: str = "", events: bool = False) -> 
 async def floor_of(api, bodies: list[list]) -> float:
     """Each list of writes in order, all lists at once, by a plain client at full concurrency
     (Events as the operator posts them, but all at once: none waits for a quiet moment)."""
-    recorder = EventRecorder(api, "bench-floor", concurrency=64)
+    recorder = EventRecorder(api, FLOOR, concurrency=64)
     kinds = {"nodepcidevices": (Custom(api, "nodepcidevices"), True), "pcidevices": (Custom(api, "pcidevices", namespaced=True), False),
              "pcidevices-status": (Custom(api, "pcidevices", namespaced=True), True)}
 
@@ -270,7 +273,7 @@ async def floor_of(api, bodies: list[list]) -> float:
                 recorder.post(*body)
                 continue
             custom, status = kinds[kind]
-            await custom.apply(body, "bench-floor", status=status)
+            await custom.apply(body, FLOOR, status=status)
 
     started = time.monotonic()
     await asyncio.gather(*(one(w) for w in bodies))
@@ -278,17 +281,26 @@ async def floor_of(api, bodies: list[list]) -> float:
     return time.monotonic() - started
 
 
-async def clear_operator_conditions(api, names: list[str]) -> None:
-    """Take back what an earlier operator wrote, so the next one starts from scratch."""
+async def clear_conditions(api, names: list[str], manager: str = OPERATOR_MANAGER) -> None:
+    """Take back the NodePCIDevice status fields `manager` wrote (an earlier operator's
+    conditions, or the floor's), so that the objects look as they would without them."""
     kind = Custom(api, "nodepcidevices")
     limit = asyncio.Semaphore(64)
 
     async def one(name: str) -> None:
         async with limit:
             await kind.apply({"apiVersion": API_VERSION, "kind": "NodePCIDevice", "metadata": {"name": name}, "status": {}},
-                             OPERATOR_MANAGER, status=True)
+                             manager, status=True)
 
     await asyncio.gather(*(one(n) for n in names))
+
+
+async def as_floor_devices(api, fleet: Fleet, names: list[str]) -> None:
+    """The floor's NodePCIDevices as the operator leaves an unassigned device, with the floor's
+    condition types in place of its own (the operator stopped): the floor's writes then change
+    objects of the same size as the operator's writes in a burst do."""
+    await clear_conditions(api, names)
+    await floor_of(api, [[w for w in operator_writes(fleet.records[n]) if w[0] == "nodepcidevices"] for n in names])
 
 
 async def start_operator(cluster, workdir: Path, label: str, extra: list[str]) -> tuple[OperatorProcess, float]:
@@ -357,16 +369,19 @@ async def one_burst(api, floor_api, cluster, operator, watched, events, fleet, n
     operator.stop()
 
     def floor_bodies(names: list[str]) -> list[list]:
-        return [operator_writes(fleet.records[n], "bench-floor", events=True) for n in names]
+        return [operator_writes(fleet.records[n], FLOOR, events=True) for n in names]
 
-    async def clear_floor() -> None:
-        await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, "bench-floor", "pcidevices")
+    async def clear_floor(names: list[str]) -> None:
+        await client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(GROUP, VERSION, FLOOR, "pcidevices")
+        await clear_conditions(api, names, FLOOR)  # the operator gives them its own again when it starts
 
+    await as_floor_devices(floor_api, fleet, floor_names + once_names)
+    await support.quiet(api, OURS, settle=2, timeout=300)
     bodies = floor_bodies(floor_names)
     cpu_floor = CPU(cluster, None)
     floor = await floor_of(floor_api, bodies)
     cpu_floor_spent, cpu_floor = cpu_floor.spent(), str(cpu_floor)
-    await clear_floor()
+    await clear_floor(floor_names)
     # The admin's writes, for `admin_names`, at once with the floor's writes, for `once_names`, by
     # a plain client that knows them all in advance (the operator still stopped; it takes the
     # assignments up when it starts again): the least a burst can take on these shared cores.
@@ -374,7 +389,7 @@ async def one_burst(api, floor_api, cluster, operator, watched, events, fleet, n
     once_started = time.monotonic()
     await asyncio.gather(floor_of(floor_api, floor_bodies(once_names)), *(support.assign(api, n, namespaces[i % 10]) for i, n in enumerate(admin_names)))
     at_once, cpu_once_spent = time.monotonic() - once_started, cpu_once.spent()
-    await clear_floor()
+    await clear_floor(once_names)
     operator, _ = await start_operator(cluster, workdir, f"after-floor-{round_}", operator_args)
     await until_started_up(operator, 300)
     await support.quiet(api, OURS + ("events",), settle=2, timeout=300)
@@ -399,7 +414,7 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
     api = await connect(str(cluster.kubeconfig))
     floor_api = await connect(str(cluster.kubeconfig))  # the floor's plain client: connections of its own, as the operator's
     namespaces = [f"bench-{i}" for i in range(10)]
-    for ns in [*namespaces, "bench-floor"]:
+    for ns in [*namespaces, FLOOR]:
         await support.create_namespace(api, ns)
     fleet = Fleet(api)
     watched = Watched(api)
@@ -413,10 +428,13 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             grown = await fleet.grow(size)
             names = fleet.names[:size]
             print(f"setup: {size} NodePCIDevices written as agents would ({grown:.1f}s for the new ones)")
-            await clear_operator_conditions(api, sorted(watched.conditioned))
+            await clear_conditions(api, sorted(watched.conditioned))
             await watched.until(lambda: not watched.conditioned, 120, "the earlier operator's conditions to be cleared")
             await support.quiet(api, OURS, settle=2, timeout=300)
             floor = await floor_of(floor_api, [operator_writes(fleet.records[n]) for n in names])
+            # The floor's conditions taken back: the operator starts on the objects the floor
+            # started on, and each later write changes an object no larger than on a live cluster.
+            await clear_conditions(api, names, FLOOR)
             await support.quiet(api, OURS, settle=2, timeout=300)
             before = await support.write_counts(api)
             operator, launched = await start_operator(cluster, workdir, str(size), args.operator_args)
