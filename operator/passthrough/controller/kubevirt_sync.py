@@ -265,131 +265,36 @@ def plan_sync(
     last_good: Rendered | None,
     now: datetime.datetime,
 ) -> SyncPlan:
+    """The steps: render the values (or keep the last good render), what KubeVirt lacks of the
+    assigned devices, what to write to the CR, the four conditions, and the config's status."""
     plan = SyncPlan()
     if config is None:
         return plan  # without the platform values, KubeVirt is not ours to manage
     target = "/".join(kubevirt_target(config.spec))
-    # The gates we applied last: the CR's own record, written in the same apply as the gates;
-    # the config's status only for a CR written before that record existed.
-    if kubevirt is not None and kubevirt.our_gates is not None:
-        previous_gates = list(kubevirt.our_gates)
-    else:
-        previous_gates = list(config.status.get("featureGates") or [])
-    live_gates = list(kubevirt.feature_gates) if kubevirt else []
-
-    problems: list[str] = []
-    try:
-        rendered = render(parse_values(config.spec), assigned, live_gates=live_gates, previous_gates=previous_gates)
-        plan.rendered = rendered
-    except ValuesError as exc:
-        problems = exc.problems
-        rendered = last_good  # keep what was applied; a bad edit tears nothing down
-
-    plan.problems = problems
-    # A device whose own entry cannot be written is left out alone; the rest of the allow-list goes on.
-    names = {d.name for d in assigned}
-    plan.left_out = {name: why for name, why in (rendered.left_out if rendered else {}).items() if name in names}
-    plan.unapplied = dict(plan.left_out)
-    dra_values = config.spec.get("dra")
-    dra = isinstance(dra_values, Mapping) and dra_values.get("enabled") is True
-    if problems and kubevirt is not None and not dra:
-        # What KubeVirt has is the last good configuration: a device assigned since has no entry there
-        # (with DRA, none needs one).
-        have = {e.get("resourceName") for e in (rendered.pci_host_devices if rendered else [])}
-        why = f"the PassthroughConfig is invalid ({'; '.join(problems)})"
-        plan.unapplied = {d.name: plan.left_out.get(d.name, why) for d in assigned if exclusive_resource_name(d.name) not in have}
-
-    conditions: dict[str, Cond] = {}
-    if problems:
-        kept = " The last good configuration stays applied." if last_good else " Nothing was applied."
-        conditions["Valid"] = Cond("False", "InvalidValues", "; ".join(problems) + kept)
-    else:
-        conditions["Valid"] = Cond("True", "Valid", "The values are valid.")
-
-    if kubevirt is None:
-        conditions["Applied"] = Cond(
-            "False", "WaitingForKubeVirt",
-            f"Waiting for KubeVirt {target}: it is applied as soon as that KubeVirt CR exists "
-            "(or set spec.kubevirt.name and namespace to the CR KubeVirt runs with).",
-        )
-    elif rendered is None:
-        conditions["Applied"] = Cond("False", "InvalidValues", f"Nothing applied to KubeVirt {target}: fix the values.")
-    else:
-        if needs_apply(rendered, kubevirt):
-            plan.apply = rendered.patch
-            plan.events.append(("Normal", "Applied", f"Applied permittedHostDevices and feature gates to KubeVirt {target}."))
-        summary = (f"{len(rendered.pci_host_devices)} pciHostDevices, {len(rendered.mediated_devices)} mediatedDevices, "
-                   f"feature gates {', '.join(rendered.feature_gates)}")
-        if problems:
-            conditions["Applied"] = Cond("True", "LastGoodApplied", f"KubeVirt {target} keeps the last good configuration: {summary}.")
-        else:
-            conditions["Applied"] = Cond("True", "Applied", f"KubeVirt {target} has {summary}.")
-
-    if rendered is not None and plan.left_out:
-        (name, why), *others = plan.left_out.items()
-        also = f"; also {', '.join(n for n, _ in others[:3])}{' ...' if len(others) > 3 else ''}" if others else ""
-        conditions["AssignedDevicesPermitted"] = Cond(
-            "False", "DevicesLeftOut",
-            f"{len(plan.left_out)} assigned device(s) left out of KubeVirt's allow-list (the rest of it is applied), and VMs "
-            f"asking for them will not start. {name}: {why}{also}. See status.leftOut.",
-        )
-    elif rendered is not None:
-        conditions["AssignedDevicesPermitted"] = Cond(
-            "True", "AllPermitted", "Every assigned device has its passthrough.io/ entry in the allow-list."
-        )
-
+    previous_gates = _previous_gates(config, kubevirt)
+    rendered = _render(plan, config, kubevirt, assigned, last_good, previous_gates)
+    _unapplied(plan, config, kubevirt, assigned, rendered)
     pci = rendered.pci_host_devices if rendered else []
     not_advertised, not_permitted = mismatches(pci, advertised)
     not_advertised, unused_default_models = split_default_models(not_advertised)
     plan.not_permitted, plan.not_advertised = len(not_permitted), len(not_advertised)
-    theirs = _block_of_another_manager(kubevirt) if rendered is not None and not pci and not rendered.mediated_devices else ""
-    if theirs and problems:
-        # Invalid values tear nothing down, a block someone else wrote included.
-        conditions["NodesMatchAllowList"] = Cond(
-            "False", "AllowListNotOurs",
-            f"KubeVirt {target} has a permittedHostDevices block another field manager wrote ({theirs}), and KubeVirt checks "
-            "device names against it; it stays while the values are invalid, and goes once valid values render an empty "
-            "allow-list.",
-        )
-    elif theirs:
-        # The allow-list is the values' (DESIGN: an empty result removes the block): a hand edit of
-        # it is reverted like any other, by removing what another field manager added.
-        plan.remove_block = theirs
-        plan.events.append(("Warning", "AllowListRemoved",
-                            f"Removed the permittedHostDevices block another field manager wrote to KubeVirt {target} ({theirs}): "
-                            "the values' allow-list is empty, so KubeVirt now checks no device names at all. List devices in "
-                            "gpu.permittedHostDevices to permit them; a block written by hand or by GitOps is removed again."))  # fmt: skip
-        conditions["NodesMatchAllowList"] = Cond(
-            "False", "NoAllowList",
-            f"permittedHostDevices is empty, so KubeVirt checks no device names at all (a block another field manager "
-            f"wrote, {theirs}, was removed: the allow-list is the values').",
-        )
-    elif rendered is not None and not pci:
-        conditions["NodesMatchAllowList"] = Cond(
-            "False", "NoAllowList", "permittedHostDevices is empty, so KubeVirt checks no device names at all."
-        )
-    elif not_permitted:
-        first = "; ".join(m.message for m in not_permitted[:3])
-        conditions["NodesMatchAllowList"] = Cond(
-            "False", "NotPermitted",
-            f"{len(not_permitted)} GPU(s) advertised by nodes are not in the allow-list, and VMs asking for them will not start: "
-            f"{first}{' ...' if len(not_permitted) > 3 else ''}. See status.notPermitted.",
-        )
-    else:
-        conditions["NodesMatchAllowList"] = Cond("True", "Match", "Every GPU the nodes advertise is allow-listed.")
-
+    conditions = {
+        "Valid": _valid(plan.problems, last_good),
+        "Applied": _applied(plan, kubevirt, rendered, target),
+        **({"AssignedDevicesPermitted": _permitted(plan.left_out)} if rendered is not None else {}),
+        "NodesMatchAllowList": _allow_list(plan, kubevirt, rendered, not_permitted, target),
+    }
     old = {c.get("type"): Cond.of(c) for c in config.status.get("conditions") or []}
     for type_, cond in conditions.items():
         if not cond.same(old.get(type_)) and cond.status == "False" and type_ != "Applied":
             plan.events.append(("Warning", cond.reason, cond.message))
-    warnings = list(rendered.warnings if rendered else [])
     status = {
         "observedGeneration": config.generation,
         "conditions": [condition(t, c, old.get(t), now) for t, c in conditions.items()],
-        "featureGates": list(rendered.our_feature_gates) if rendered and not problems else previous_gates,
+        "featureGates": list(rendered.our_feature_gates) if rendered and not plan.problems else previous_gates,
         "pciHostDevices": len(pci),
         "mediatedDevices": len(rendered.mediated_devices) if rendered else 0,
-        "warnings": warnings,
+        "warnings": list(rendered.warnings if rendered else []),
         "notAdvertised": _listed(not_advertised),
         "notAdvertisedCount": len(not_advertised),
         "unusedDefaultModels": unused_default_models,
@@ -402,6 +307,112 @@ def plan_sync(
         plan.status = {"apiVersion": API_VERSION, "kind": PASSTHROUGH_CONFIG.kind, "metadata": {"name": CONFIG_NAME},
                        "status": status}
     return plan
+
+
+def _previous_gates(config: ConfigView, kubevirt: KubeVirtView | None) -> list[str]:
+    """The gates we applied last: the CR's own record, written in the same apply as the gates;
+    the config's status only for a CR written before that record existed."""
+    if kubevirt is not None and kubevirt.our_gates is not None:
+        return list(kubevirt.our_gates)
+    return list(config.status.get("featureGates") or [])
+
+
+def _render(plan: SyncPlan, config: ConfigView, kubevirt: KubeVirtView | None, assigned: Sequence[AssignedDevice],
+            last_good: Rendered | None, previous_gates: list[str]) -> Rendered | None:
+    """The values rendered (plan.rendered), or, when they are invalid, the last good render
+    (plan.problems say why): a bad edit tears nothing down."""
+    live_gates = list(kubevirt.feature_gates) if kubevirt else []
+    try:
+        plan.rendered = render(parse_values(config.spec), assigned, live_gates=live_gates, previous_gates=previous_gates)
+        return plan.rendered
+    except ValuesError as exc:
+        plan.problems = exc.problems
+        return last_good
+
+
+def _unapplied(plan: SyncPlan, config: ConfigView, kubevirt: KubeVirtView | None, assigned: Sequence[AssignedDevice],
+               rendered: Rendered | None) -> None:
+    """The assigned devices KubeVirt lacks an entry for, and why: those the render left out
+    alone (the rest of the allow-list goes on), and with invalid values those assigned since
+    the last good configuration (with DRA, none needs one)."""
+    names = {d.name for d in assigned}
+    plan.left_out = {name: why for name, why in (rendered.left_out if rendered else {}).items() if name in names}
+    plan.unapplied = dict(plan.left_out)
+    dra_values = config.spec.get("dra")
+    dra = isinstance(dra_values, Mapping) and dra_values.get("enabled") is True
+    if plan.problems and kubevirt is not None and not dra:
+        have = {e.get("resourceName") for e in (rendered.pci_host_devices if rendered else [])}
+        why = f"the PassthroughConfig is invalid ({'; '.join(plan.problems)})"
+        plan.unapplied = {d.name: plan.left_out.get(d.name, why) for d in assigned if exclusive_resource_name(d.name) not in have}
+
+
+def _valid(problems: list[str], last_good: Rendered | None) -> Cond:
+    if not problems:
+        return Cond("True", "Valid", "The values are valid.")
+    kept = " The last good configuration stays applied." if last_good else " Nothing was applied."
+    return Cond("False", "InvalidValues", "; ".join(problems) + kept)
+
+
+def _applied(plan: SyncPlan, kubevirt: KubeVirtView | None, rendered: Rendered | None, target: str) -> Cond:
+    """The Applied condition; and the CR apply (plan.apply, with its Event) when the CR lacks
+    what `rendered` says."""
+    if kubevirt is None:
+        return Cond("False", "WaitingForKubeVirt",
+                    f"Waiting for KubeVirt {target}: it is applied as soon as that KubeVirt CR exists "
+                    "(or set spec.kubevirt.name and namespace to the CR KubeVirt runs with).")
+    if rendered is None:
+        return Cond("False", "InvalidValues", f"Nothing applied to KubeVirt {target}: fix the values.")
+    if needs_apply(rendered, kubevirt):
+        plan.apply = rendered.patch
+        plan.events.append(("Normal", "Applied", f"Applied permittedHostDevices and feature gates to KubeVirt {target}."))
+    summary = (f"{len(rendered.pci_host_devices)} pciHostDevices, {len(rendered.mediated_devices)} mediatedDevices, "
+               f"feature gates {', '.join(rendered.feature_gates)}")
+    if plan.problems:
+        return Cond("True", "LastGoodApplied", f"KubeVirt {target} keeps the last good configuration: {summary}.")
+    return Cond("True", "Applied", f"KubeVirt {target} has {summary}.")
+
+
+def _permitted(left_out: Mapping[str, str]) -> Cond:
+    if not left_out:
+        return Cond("True", "AllPermitted", "Every assigned device has its passthrough.io/ entry in the allow-list.")
+    (name, why), *others = left_out.items()
+    also = f"; also {', '.join(n for n, _ in others[:3])}{' ...' if len(others) > 3 else ''}" if others else ""
+    return Cond("False", "DevicesLeftOut",
+                f"{len(left_out)} assigned device(s) left out of KubeVirt's allow-list (the rest of it is applied), and VMs "
+                f"asking for them will not start. {name}: {why}{also}. See status.leftOut.")
+
+
+def _allow_list(plan: SyncPlan, kubevirt: KubeVirtView | None, rendered: Rendered | None,
+                not_permitted: list[Mismatch], target: str) -> Cond:
+    """The NodesMatchAllowList condition; and, when the values' allow-list is empty, the removal
+    of a block another field manager wrote (plan.remove_block, with its Event)."""
+    pci = rendered.pci_host_devices if rendered else []
+    theirs = _block_of_another_manager(kubevirt) if rendered is not None and not pci and not rendered.mediated_devices else ""
+    if theirs and plan.problems:
+        # Invalid values tear nothing down, a block someone else wrote included.
+        return Cond("False", "AllowListNotOurs",
+                    f"KubeVirt {target} has a permittedHostDevices block another field manager wrote ({theirs}), and KubeVirt "
+                    "checks device names against it; it stays while the values are invalid, and goes once valid values render "
+                    "an empty allow-list.")
+    if theirs:
+        # The allow-list is the values' (DESIGN: an empty result removes the block): a hand edit of
+        # it is reverted like any other, by removing what another field manager added.
+        plan.remove_block = theirs
+        plan.events.append(("Warning", "AllowListRemoved",
+                            f"Removed the permittedHostDevices block another field manager wrote to KubeVirt {target} ({theirs}): "
+                            "the values' allow-list is empty, so KubeVirt now checks no device names at all. List devices in "
+                            "gpu.permittedHostDevices to permit them; a block written by hand or by GitOps is removed again."))  # fmt: skip
+        return Cond("False", "NoAllowList",
+                    f"permittedHostDevices is empty, so KubeVirt checks no device names at all (a block another field manager "
+                    f"wrote, {theirs}, was removed: the allow-list is the values').")
+    if rendered is not None and not pci:
+        return Cond("False", "NoAllowList", "permittedHostDevices is empty, so KubeVirt checks no device names at all.")
+    if not_permitted:
+        first = "; ".join(m.message for m in not_permitted[:3])
+        return Cond("False", "NotPermitted",
+                    f"{len(not_permitted)} GPU(s) advertised by nodes are not in the allow-list, and VMs asking for them will "
+                    f"not start: {first}{' ...' if len(not_permitted) > 3 else ''}. See status.notPermitted.")
+    return Cond("True", "Match", "Every GPU the nodes advertise is allow-listed.")
 
 
 def _status_differs(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
