@@ -53,6 +53,7 @@ from e2e import cluster as local  # noqa: E402
 from e2e import support  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
 from passthrough.agent import report  # noqa: E402
+from passthrough.api import views  # noqa: E402
 from passthrough.api.models import API_VERSION, GROUP, VERSION  # noqa: E402
 from passthrough.controller import lifecycle  # noqa: E402
 from passthrough.kube.cache import Informer  # noqa: E402
@@ -230,7 +231,7 @@ def operator_writes(record: dict, namespace: str = "", events: bool = False) -> 
     condition types on the NodePCIDevice; with `events`, its Events too. The floor writes
     these: the same bodies, sizes and all, by a plain client."""
     body = {**record, "spec": {**(record.get("spec") or {}), "assignedNamespace": namespace}}
-    world = lifecycle.World(name=record["metadata"]["name"], node_device=lifecycle.NodeDevice.of(body), devices=(),
+    world = lifecycle.World(name=record["metadata"]["name"], node_device=views.NodeDevice.of(body), devices=(),
                             namespaces={namespace: "Active"} if namespace else {}, referencing_vms={},
                             now=datetime.datetime.now(datetime.UTC))
     plan = lifecycle.decide(world)

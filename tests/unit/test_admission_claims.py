@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from passthrough.admission import claims
-from passthrough.controller.lifecycle import NodeDevice
+from passthrough.api.views import NodeDevice
 from passthrough.dra.slice import DRIVER
 
 NODE = "gpu-1"

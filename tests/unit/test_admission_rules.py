@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from passthrough.admission import rules
-from passthrough.controller.lifecycle import Device
+from passthrough.api.views import Device
 
 NS = "team-a"
 READY = {"type": "Ready", "status": "True", "reason": "Ready", "message": "The device can be passed through."}

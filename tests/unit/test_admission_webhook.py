@@ -11,7 +11,7 @@ import pytest
 
 from passthrough.admission import webhook
 from passthrough.controller import reconciler as rec
-from passthrough.controller.lifecycle import Device, NodeDevice
+from passthrough.api.views import Device, NodeDevice
 
 NS = "team-a"
 NAMESPACE_UIDS = {"team-a": "uid-team-a", "team-b": "uid-team-b"}

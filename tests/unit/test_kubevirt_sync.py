@@ -7,7 +7,7 @@ import datetime
 
 from passthrough.controller.kubevirt_sync import (ConfigView, KubeVirtView, advertised, assigned_devices, needs_apply, plan_sync,
                                                   release)
-from passthrough.controller.lifecycle import Device, NodeDevice
+from passthrough.api.views import Device, NodeDevice
 from passthrough.kubevirt.allowlist import AssignedDevice
 from passthrough.kubevirt.mismatches import Advertised
 from passthrough.kubevirt.render import GATES_ANNOTATION

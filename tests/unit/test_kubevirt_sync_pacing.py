@@ -14,7 +14,7 @@ from passthrough.controller.kubevirt_sync import (
     next_sync_delay,
     node_device_sync_inputs,
 )
-from passthrough.controller.lifecycle import Device, NodeDevice
+from passthrough.api.views import Device, NodeDevice
 
 READY = Cond("True", "Ready", "ok", "2026-01-01T00:00:00Z")
 NPCI = NodeDevice(name="pci-a", uid="u1", resource_version="1", assigned_namespace="", deleting=False, finalizers=(),

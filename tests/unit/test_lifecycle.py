@@ -7,8 +7,9 @@ import datetime
 
 import pytest
 
+from passthrough.api import views
+from passthrough.api.conditions import Cond
 from passthrough.controller import lifecycle as lc
-from passthrough.controller.lifecycle import Cond
 from passthrough.pci.naming import node_pci_device_name
 
 NOW = datetime.datetime(2026, 11, 29, 12, 0, 0, tzinfo=datetime.UTC)
@@ -18,16 +19,16 @@ READY = Cond("True", "Ready", "The device can be passed through.", "2026-11-29T1
 ATTRS = {"pciAddress": "0000:3b:00.0", "vendorID": "10de", "deviceID": "2236", "class": "030200", "nodeName": "gpu-1"}
 
 
-def node_device(namespace="", ready=READY, deleting=False, finalizers=(), assigned=None, attached=None, missing_since="") -> lc.NodeDevice:
-    return lc.NodeDevice(
+def node_device(namespace="", ready=READY, deleting=False, finalizers=(), assigned=None, attached=None, missing_since="") -> views.NodeDevice:
+    return views.NodeDevice(
         name=NAME, uid="npci-uid", resource_version="10", assigned_namespace=namespace, deleting=deleting,
         finalizers=tuple(finalizers), ready=ready, assigned=assigned, attached=attached, attributes=ATTRS, node_name="gpu-1",
         missing_since=missing_since,
     )
 
 
-def device(namespace, deleting=False, finalizers=(), status=None, owner_uid="npci-uid") -> lc.Device:
-    return lc.Device(
+def device(namespace, deleting=False, finalizers=(), status=None, owner_uid="npci-uid") -> views.Device:
+    return views.Device(
         name=NAME, namespace=namespace, uid=f"uid-{namespace}", resource_version="11", deleting=deleting,
         metadata={
             "labels": {"passthrough.io/node": "gpu-1"},
@@ -67,7 +68,7 @@ def settle(w: lc.World) -> lc.World:
             if old and old.deleting and set(meta.get("finalizers") or ()) - set(old.metadata["finalizers"]):
                 # As the API server: "no new finalizers can be added if the object is being deleted".
                 raise AssertionError(f"a finalizer planned onto the deleting PCIDevice {write.namespace}/{NAME}")
-            devices[write.namespace] = lc.Device(
+            devices[write.namespace] = views.Device(
                 name=NAME, namespace=write.namespace, uid=old.uid if old else f"uid-{write.namespace}", resource_version="12",
                 deleting=old.deleting if old else False,
                 metadata={k: meta.get(k, old.metadata.get(k) if old else None) for k in ("labels", "ownerReferences", "finalizers")},
@@ -75,11 +76,11 @@ def settle(w: lc.World) -> lc.World:
             )
         elif isinstance(write, lc.ApplyDeviceStatus):
             d = devices[write.namespace]
-            devices[write.namespace] = lc.Device(d.name, d.namespace, d.uid, "13", d.deleting, d.metadata, write.body["status"])
+            devices[write.namespace] = views.Device(d.name, d.namespace, d.uid, "13", d.deleting, d.metadata, write.body["status"])
         elif isinstance(write, lc.DeleteDevice):
             d = devices[write.namespace]
             if d.metadata["finalizers"]:
-                devices[write.namespace] = lc.Device(d.name, d.namespace, d.uid, "14", True, d.metadata, d.status)
+                devices[write.namespace] = views.Device(d.name, d.namespace, d.uid, "14", True, d.metadata, d.status)
             else:
                 del devices[write.namespace]
         elif isinstance(write, lc.ApplyNodeDeviceStatus):
@@ -87,7 +88,7 @@ def settle(w: lc.World) -> lc.World:
             npci = dataclasses.replace(npci, assigned=conds["Assigned"], attached=conds["Attached"],
                                        missing_since=write.body["status"].get("missingSince", ""),
                                        node_gone_since=write.body["status"].get("nodeGoneSince", ""),
-                                       handed_to=lc.NodeDevice.of({"metadata": {"name": NAME}, "status": write.body["status"]}).handed_to)  # fmt: skip
+                                       handed_to=views.NodeDevice.of({"metadata": {"name": NAME}, "status": write.body["status"]}).handed_to)  # fmt: skip
         elif isinstance(write, lc.ApplyNodeDeviceFinalizer):
             if npci.deleting and set(write.body["metadata"]["finalizers"]) - set(npci.finalizers):
                 raise AssertionError("a finalizer planned onto the deleting NodePCIDevice")
@@ -327,7 +328,7 @@ def test_two_racing_assignments_end_in_the_namespace_written_last():
 def settle_only(w: lc.World, write: lc.ApplyDevice) -> lc.World:
     """The world after only `write` of a plan landed."""
     meta = write.body["metadata"]
-    made = lc.Device(NAME, write.namespace, f"uid-{write.namespace}", "12", False,
+    made = views.Device(NAME, write.namespace, f"uid-{write.namespace}", "12", False,
                      {k: meta.get(k) for k in ("labels", "ownerReferences", "finalizers")}, {})  # fmt: skip
     return dataclasses.replace(w, devices=(*w.devices, made))
 
@@ -592,44 +593,6 @@ def test_a_device_of_a_deleted_node_is_not_handed_out_until_the_node_is_back():
     assert "goes to team-a once the node is back" in assigned["message"]
 
 
-def _watch_event_body(address: str) -> dict:
-    """A NodePCIDevice as one watch event decodes it: every string its own copy."""
-    import json
-
-    body = {
-        "metadata": {"name": f"pci-{address}", "uid": "u", "resourceVersion": "1", "finalizers": [lc.FINALIZER]},
-        "spec": {"assignedNamespace": "team-a"},
-        "status": {
-            "attributes": {**ATTRS, "pciAddress": address, "vendorName": "NVIDIA Corporation", "iommuGroup": 12},
-            "resourceName": "nvidia.com/GA102GL_A10", "mode": "Pool",
-            "conditions": [{"type": "Ready", "status": "True", "reason": "Ready", "message": "The device can be passed through.",
-                            "lastTransitionTime": "2026-11-29T11:00:00Z"}],
-        },
-    }
-    return json.loads(json.dumps(body))
-
-
-def test_views_of_many_devices_share_their_repeated_strings():
-    one, other = lc.NodeDevice.of(_watch_event_body("0000:3b:00.0")), lc.NodeDevice.of(_watch_event_body("0000:5e:00.0"))
-    key_one = next(k for k in one.attributes if k == "vendorName")
-    key_other = next(k for k in other.attributes if k == "vendorName")
-    assert key_one is key_other and one.attributes["vendorName"] is other.attributes["vendorName"]
-    assert one.ready.message is other.ready.message and one.mode is other.mode and one.finalizers[0] is other.finalizers[0]
-    # ...and lose nothing: the PCIDevice's status copies every attribute.
-    assert dict(one.attributes) == _watch_event_body("0000:3b:00.0")["status"]["attributes"]
-    assert one.ready == Cond("True", "Ready", "The device can be passed through.", "2026-11-29T11:00:00Z")
-    assert one.handed_to is lc.NOT_HANDED and one.node_name == "gpu-1"
-
-
-def test_shared_interns_strings_at_every_depth_and_keeps_other_values():
-    import json
-
-    value = json.loads('{"a": [{"b": "x", "n": 3, "t": true, "z": null}], "c": {"d": "x"}}')
-    out = lc.shared(value)
-    assert out == value
-    assert out["a"][0]["b"] is out["c"]["d"]
-
-
 # -- issue 18: forged names, models KubeVirt serves, namespaces made after an assignment, holders ---
 
 
@@ -716,20 +679,6 @@ def test_a_namespace_made_again_is_given_the_device_once_a_device_admin_confirms
     assert confirmed.node_device.handed_to == ("team-a", "uid-2") and [d.namespace for d in confirmed.devices] == ["team-a"]
 
 
-def test_the_assignment_time_is_the_latest_write_of_spec_assigned_namespace_in_managed_fields():
-    def entry(manager, time, fields, subresource=None):
-        return {"manager": manager, "time": time, "fieldsV1": fields, **({"subresource": subresource} if subresource else {})}
-
-    body = {"metadata": {"name": NAME, "managedFields": [
-        entry("passthrough-agent", "2026-11-29T12:00:00Z", {"f:metadata": {"f:labels": {}}}),
-        entry("kubectl-patch", "2026-11-29T11:00:00Z", {"f:spec": {"f:assignedNamespace": {}}}),
-        entry("admin", "2026-11-29T11:05:00Z", {"f:spec": {"f:assignedNamespace": {}, "f:confirmedNamespaceUID": {}}}),
-        entry("passthrough-operator", "2026-11-29T12:30:00Z", {"f:status": {}}, "status"),
-    ]}, "spec": {"assignedNamespace": "team-a"}}  # fmt: skip
-    assert lc.NodeDevice.of(body).assigned_at == "2026-11-29T11:05:00Z"
-    assert lc.NodeDevice.of({**body, "spec": {}}).assigned_at == ""
-
-
 def test_the_pcidevice_says_which_pods_hold_the_device():
     holders = (("team-b", "virt-launcher-old", "nvidia.com/GA102GL_A10"),)
     settled = converge(world(dataclasses.replace(node_device("team-a"), holders=holders)))
@@ -744,14 +693,14 @@ def test_the_pcidevice_says_which_pods_hold_the_device():
     bare = {k: v for k, v in write.body["status"].items() if k != "holders"}
     quiet = dataclasses.replace(ended, devices=(dataclasses.replace(settle(ended).devices[0], status=bare),))
     assert lc.decide(quiet).writes == []
-    assert lc.NodeDevice.of({"metadata": {"name": NAME}, "status": {"holders": [
+    assert views.NodeDevice.of({"metadata": {"name": NAME}, "status": {"holders": [
         {"namespace": "team-b", "pod": "p", "resource": "r"}, "junk"]}}).holders == (("team-b", "p", "r"),)
 
 
 def test_finalizer_writes_apply_only_the_operators_own_metadata():
     # Another manager's label, owner reference and finalizer on the PCIDevice stay theirs: an
     # apply that restated them would make the operator co-owner, keeping them after they let go.
-    theirs = lc.Device(
+    theirs = views.Device(
         name=NAME, namespace="team-a", uid="uid-team-a", resource_version="11", deleting=True,
         metadata={"labels": {"passthrough.io/node": "gpu-1", "backup.example.com/policy": "daily"},
                   "ownerReferences": [{"uid": "npci-uid", "controller": True, "kind": "NodePCIDevice"},

@@ -9,6 +9,7 @@ import dataclasses
 
 from hypothesis import given, strategies as st
 
+from passthrough.api import views
 from passthrough.controller import allocations, lifecycle as lc
 from passthrough.controller.allocations import Allocation
 from passthrough.dra.slice import DRIVER
@@ -65,7 +66,7 @@ def claimed(w: lc.World, *claims: Allocation) -> lc.World:
     return dataclasses.replace(w, claims=claims)
 
 
-def attached(device: lc.Device) -> dict:
+def attached(device: views.Device) -> dict:
     return next(c for c in device.status["conditions"] if c["type"] == "Attached")
 
 

@@ -33,7 +33,7 @@ from passthrough.agent.handover import Handover
 from passthrough.agent.plan import Plan
 from passthrough.controller import metrics as operator_metrics
 from passthrough.controller import reconciler as rec
-from passthrough.controller.lifecycle import NodeDevice
+from passthrough.api.views import NodeDevice
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc
 from passthrough.deviceplugin.manager import PluginManager

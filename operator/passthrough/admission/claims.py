@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from passthrough.admission.rules import Verdict
-from passthrough.controller.lifecycle import NodeDevice
+from passthrough.api.views import NodeDevice
 from passthrough.dra.slice import DRIVER, device_name
 
 # The prefix of the DeviceClasses that select passthrough devices (the operator's per-namespace

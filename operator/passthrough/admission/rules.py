@@ -16,7 +16,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from passthrough.controller.lifecycle import Device, NodeDevice
+from passthrough.api.views import Device, NodeDevice
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 
 PREFIX = f"{EXCLUSIVE_DOMAIN}/"

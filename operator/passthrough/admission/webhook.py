@@ -19,8 +19,8 @@ import kopf
 from passthrough.controller import deviceclasses, metrics
 from passthrough.admission import claims, rules
 from passthrough.agent.plan import gpu_mode
-from passthrough.controller.lifecycle import Device, NodeDevice
-from passthrough.controller.reconciler import DEVICE_CLASSES, DEVICES, DEVICES_BY_NODE, NAMESPACES, NODE_DEVICES
+from passthrough.api.views import Device, NodeDevice
+from passthrough.controller.reconciler import DEVICE_CLASSES, DEVICES, DEVICES_BY_NODE, NODE_DEVICES
 
 log = logging.getLogger(__name__)
 

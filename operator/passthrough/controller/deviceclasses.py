@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from passthrough.admission.claims import CLASS_PREFIX, POOL_CLASS, handed_to
-from passthrough.controller.lifecycle import NodeDevice
+from passthrough.api.views import NodeDevice
 from passthrough.dra.slice import DOMAIN, DRIVER
 from passthrough.kube.custom import OPERATOR_MANAGER
 

@@ -23,7 +23,7 @@ from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHRO
 from passthrough.controller import allocations, deviceclasses
 from passthrough.controller import reconciler as rec
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, device_sync_inputs, node_device_sync_inputs
-from passthrough.controller.lifecycle import Device, NodeDevice
+from passthrough.api.views import Device, NodeDevice
 from passthrough.kube.cache import Informer
 from passthrough.kube.connect import session
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from passthrough.api.models import API_VERSION, CONFIG_NAME, PASSTHROUGH_CONFIG
 from passthrough.api.conditions import Cond, condition
-from passthrough.controller.lifecycle import Device, NodeDevice, expected_name
+from passthrough.api.views import Device, NodeDevice, expected_name
 from passthrough.kube.custom import OPERATOR_MANAGER
 from passthrough.pci.naming import exclusive_resource_name
 from passthrough.kubevirt.allowlist import AssignedDevice

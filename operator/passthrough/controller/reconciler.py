@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE
+from passthrough.api.views import NodeDevice
 from passthrough.controller import allocations, deviceclasses, kubevirt_sync, lifecycle, metrics
 from passthrough.controller.workqueue import WorkQueue, run_workers
 from passthrough.kube.custom import OPERATOR_MANAGER, Custom
@@ -162,7 +163,7 @@ class Reconciler:
                     for name in names:
                         self.enqueue(name)
 
-    def group_of(self, npci: lifecycle.NodeDevice) -> dict[str, str]:
+    def group_of(self, npci: NodeDevice) -> dict[str, str]:
         """The other members of the device's IOMMU group on its node: name -> assigned namespace."""
         group = npci.attributes.get("iommuGroup", -1)
         if not isinstance(group, int) or group < 0:
@@ -173,14 +174,14 @@ class Reconciler:
             for member in _values(self.indices[NODE_DEVICES], other)[:1]
         }
 
-    def node_present(self, npci: lifecycle.NodeDevice | None) -> bool:
+    def node_present(self, npci: NodeDevice | None) -> bool:
         """Whether the device's Node exists (a device that names none is not judged by it)."""
         nodes = self.indices.get(NODES)
         if npci is None or not npci.node_name or nodes is None:
             return True
         return bool(_values(nodes, npci.node_name))
 
-    def claims_of(self, npci: lifecycle.NodeDevice | None) -> tuple[allocations.Allocation, ...]:
+    def claims_of(self, npci: NodeDevice | None) -> tuple[allocations.Allocation, ...]:
         """The claims whose allocation names the device, found by its node and address (DRA mode)."""
         address = npci.attributes.get("pciAddress") if npci is not None else None
         if not isinstance(address, str) or not address or CLAIMS not in self.indices:
@@ -188,7 +189,7 @@ class Reconciler:
         found = _values(self.indices[CLAIMS], allocations.key(npci.node_name, address))
         return tuple(sorted(set(found), key=lambda c: (c.namespace, c.name)))
 
-    def device_class(self, npci: lifecycle.NodeDevice | None) -> str:
+    def device_class(self, npci: NodeDevice | None) -> str:
         """DRA mode: the DeviceClass of the device's namespace (controller/deviceclasses.py)."""
         if CLAIMS not in self.indices or npci is None or not npci.assigned_namespace:
             return ""
@@ -203,7 +204,7 @@ class Reconciler:
             if isinstance(address := d.attributes.get("pciAddress"), str) and allocations.key(pool, address) == (pool, device)
         ]  # fmt: skip
 
-    def node_devices_known(self) -> Iterator[lifecycle.NodeDevice]:
+    def node_devices_known(self) -> Iterator[NodeDevice]:
         """Every NodePCIDevice the indexes hold (for the metrics, at scrape time)."""
         return (store[0] for store in self.indices[NODE_DEVICES].values() if store)
 

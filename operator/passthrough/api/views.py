@@ -1,0 +1,152 @@
+"""What the operator's code reads of our objects: small, interned views of NodePCIDevices and
+PCIDevices, the values of the caches that the lifecycle, the KubeVirt sync and admission share.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from passthrough.api.conditions import Cond
+from passthrough.api.labels import NODE_LABEL
+from passthrough.api.models import MAX_HOLDERS
+from passthrough.pci.naming import node_pci_device_name
+
+
+def shared(value: Any) -> Any:
+    """`value` (decoded JSON) with its keys and strings interned.
+
+    Each watch event is decoded on its own, so ten thousand views would otherwise each hold
+    their own copy of every key, vendor name, driver and condition message; interned, they
+    share one. A string that nothing holds any more is freed as any other.
+    """
+    if isinstance(value, str):
+        return sys.intern(value)
+    if isinstance(value, dict):
+        return {sys.intern(k): shared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shared(v) for v in value]
+    return value
+
+
+def _cond(raw: Mapping[str, Any] | None) -> Cond | None:
+    return Cond.of(shared(dict(raw))) if raw else None
+
+
+NOT_HANDED = ("", "")
+
+
+def _holders(raw: Any) -> tuple[tuple[str, str, str], ...]:
+    """status.holders as (namespace, pod, resource), the agent's report of the kubelet's word."""
+    if not isinstance(raw, list):
+        return ()
+    found = [h for h in raw if isinstance(h, Mapping)][:MAX_HOLDERS]
+    return tuple(tuple(sys.intern(str(h.get(k) or "")) for k in ("namespace", "pod", "resource")) for h in found)  # type: ignore[misc]
+
+
+def _assigned_at(meta: Mapping[str, Any]) -> str:
+    """When spec.assignedNamespace was last written, as the API server recorded it (managedFields:
+    the latest time among the managers that own the field); "" when no record says."""
+    times = [
+        entry.get("time") or ""
+        for entry in meta.get("managedFields") or []
+        if isinstance(entry, Mapping) and not entry.get("subresource")
+        and "f:assignedNamespace" in (((entry.get("fieldsV1") or {}).get("f:spec")) or {})
+    ]  # fmt: skip
+    return max(times, default="")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDevice:
+    """What the lifecycle needs of a NodePCIDevice (small: ten thousand of these are cached)."""
+
+    name: str
+    uid: str
+    resource_version: str
+    assigned_namespace: str
+    deleting: bool
+    finalizers: tuple[str, ...]
+    ready: Cond | None
+    assigned: Cond | None
+    attached: Cond | None
+    attributes: Mapping[str, Any]
+    node_name: str
+    resource_name: str = ""
+    mode: str = ""
+    missing_since: str = ""  # status.missingSince, the operator's own record
+    node_gone_since: str = ""  # status.nodeGoneSince, the operator's own record
+    handed_to: tuple[str, str] = ("", "")  # status.assignedNamespaceRef: (name, uid) it was handed to
+    holders: tuple[tuple[str, str, str], ...] = ()  # status.holders: (namespace, pod, resource), the agent's
+    confirmed_uid: str = ""  # spec.confirmedNamespaceUID: the namespace a device admin confirmed
+    assigned_at: str = ""  # when spec.assignedNamespace was last written (managedFields), "" unknown
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> NodeDevice:
+        meta, spec, status = body["metadata"], body.get("spec") or {}, body.get("status") or {}
+        conditions = {c.get("type"): c for c in status.get("conditions") or []}
+        attributes = shared(dict(status.get("attributes") or {}))
+        handed = status.get("assignedNamespaceRef") or {}
+        handed_to = (handed.get("name", ""), handed.get("uid", ""))
+        return cls(
+            name=meta["name"],
+            uid=meta.get("uid", ""),
+            resource_version=meta.get("resourceVersion", ""),
+            assigned_namespace=sys.intern(spec.get("assignedNamespace") or ""),
+            deleting=bool(meta.get("deletionTimestamp")),
+            finalizers=tuple(shared(f) for f in meta.get("finalizers") or ()),
+            ready=_cond(conditions.get("Ready")),
+            assigned=_cond(conditions.get("Assigned")),
+            attached=_cond(conditions.get("Attached")),
+            attributes=attributes,
+            node_name=sys.intern(attributes.get("nodeName") or (meta.get("labels") or {}).get(NODE_LABEL, "")),
+            resource_name=sys.intern(status.get("resourceName") or ""),
+            mode=sys.intern(status.get("mode") or ""),
+            missing_since=status.get("missingSince") or "",
+            node_gone_since=status.get("nodeGoneSince") or "",
+            handed_to=handed_to if any(handed_to) else NOT_HANDED,
+            holders=_holders(status.get("holders")),
+            confirmed_uid=spec.get("confirmedNamespaceUID") or "",
+            assigned_at=_assigned_at(meta) if spec.get("assignedNamespace") else "",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """What the lifecycle needs of a PCIDevice."""
+
+    name: str
+    namespace: str
+    uid: str
+    resource_version: str
+    deleting: bool
+    metadata: Mapping[str, Any]  # the fields we apply: labels, ownerReferences, finalizers
+    status: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> Device:
+        meta = body["metadata"]
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta.get("uid", ""),
+            resource_version=meta.get("resourceVersion", ""),
+            deleting=bool(meta.get("deletionTimestamp")),
+            metadata={
+                "labels": shared(dict(meta.get("labels") or {})),
+                "ownerReferences": [shared(dict(o)) for o in meta.get("ownerReferences") or []],
+                "finalizers": shared(list(meta.get("finalizers") or [])),
+            },
+            status=shared(dict(body.get("status") or {})),
+        )
+
+
+def expected_name(npci: NodeDevice) -> str:
+    """The name the agent of its node gives a device with these attributes (pci/naming.py); ""
+    while they do not say (no status yet: such a device is not Ready, so never handed out)."""
+    attrs = npci.attributes
+    parts = [attrs.get(k) for k in ("pciAddress", "vendorID", "deviceID", "nodeName")]
+    if not all(isinstance(p, str) and p for p in parts):
+        return ""
+    return node_pci_device_name(*parts)
