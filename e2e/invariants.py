@@ -33,7 +33,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from passthrough.api.models import CONFIG_NAME
-from passthrough.controller.lifecycle import FINALIZER
+from passthrough.controller.world import FINALIZER
 from passthrough.kube.custom import Custom
 from passthrough.kube.client import ApiError
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN, exclusive_resource_name

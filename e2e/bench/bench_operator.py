@@ -56,6 +56,7 @@ from passthrough.agent import report  # noqa: E402
 from passthrough.api import views  # noqa: E402
 from passthrough.api.models import API_VERSION, GROUP, VERSION  # noqa: E402
 from passthrough.controller import lifecycle  # noqa: E402
+from passthrough.controller.world import ApplyDeviceStatus, ApplyNodeDeviceStatus, World  # noqa: E402
 from passthrough.kube.cache import Informer  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
 from passthrough.kube.client import session_of  # noqa: E402
@@ -231,21 +232,21 @@ def operator_writes(record: dict, namespace: str = "", events: bool = False) -> 
     condition types on the NodePCIDevice; with `events`, its Events too. The floor writes
     these: the same bodies, sizes and all, by a plain client."""
     body = {**record, "spec": {**(record.get("spec") or {}), "assignedNamespace": namespace}}
-    world = lifecycle.World(name=record["metadata"]["name"], node_device=views.NodeDevice.of(body), devices=(),
+    world = World(name=record["metadata"]["name"], node_device=views.NodeDevice.of(body), devices=(),
                             namespaces={namespace: "Active"} if namespace else {}, referencing_vms={},
                             now=datetime.datetime.now(datetime.UTC))
     plan = lifecycle.decide(world)
     writes = []
     for write in plan.writes:
         body = copy.deepcopy(write.body)
-        if isinstance(write, lifecycle.ApplyNodeDeviceStatus):
+        if isinstance(write, ApplyNodeDeviceStatus):
             body["status"].pop("assignedNamespaceRef", None)
             for condition in body["status"]["conditions"]:
                 condition["type"] = f"Floor{condition['type']}"
             writes.append(("nodepcidevices", body))
         else:
             body["metadata"]["name"] = f"floor-{body['metadata']['name']}"
-            writes.append(("pcidevices-status" if isinstance(write, lifecycle.ApplyDeviceStatus) else "pcidevices", body))
+            writes.append(("pcidevices-status" if isinstance(write, ApplyDeviceStatus) else "pcidevices", body))
     for event in plan.events if events else ():
         involved = {"api_version": API_VERSION, "kind": event.kind, "name": f"floor-{record['metadata']['name']}",
                     "uid": record["metadata"]["uid"], **({"namespace": event.namespace} if event.kind == "PCIDevice" else {})}

@@ -30,7 +30,7 @@ from e2e.processes import OperatorProcess, WebhookServing
 from passthrough import __version__
 from passthrough.api import crds
 from passthrough.api.models import PassthroughConfigSpec
-from passthrough.controller.lifecycle import FINALIZER
+from passthrough.controller.world import FINALIZER
 from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
 from passthrough.kube.custom import Custom
 from passthrough.kubevirt.values import parse_values

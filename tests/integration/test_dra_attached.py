@@ -14,7 +14,7 @@ from kubernetes_asyncio import client
 
 from e2e import support
 from e2e.support import created
-from passthrough.controller.lifecycle import FINALIZER
+from passthrough.controller.world import FINALIZER
 from passthrough.kube.client import session_of
 from passthrough.kube.custom import Custom
 from tests.integration.test_dra import (  # noqa: F401  (fixtures: the GPU node, its kubelet and the agent in DRA mode)

@@ -13,7 +13,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from e2e import support
-from passthrough.controller.lifecycle import FINALIZER
+from passthrough.controller.world import FINALIZER
 from passthrough.kube.custom import Custom
 
 pytestmark = pytest.mark.cluster

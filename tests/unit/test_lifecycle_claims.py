@@ -12,6 +12,7 @@ from hypothesis import given, strategies as st
 from passthrough.api import views
 from passthrough.controller import allocations, lifecycle as lc
 from passthrough.controller.allocations import Allocation
+from passthrough.controller.world import FINALIZER, ApplyDeviceStatus, World
 from passthrough.dra.slice import DRIVER
 from tests.unit.test_lifecycle import NAME, converge, node_device, npci_conditions, of, settle, world
 
@@ -62,7 +63,7 @@ def test_any_status_gives_allocations_or_nothing_never_an_error(raw):
 # -- what the lifecycle makes of it -----------------------------------------------------------
 
 
-def claimed(w: lc.World, *claims: Allocation) -> lc.World:
+def claimed(w: World, *claims: Allocation) -> World:
     return dataclasses.replace(w, claims=claims)
 
 
@@ -78,7 +79,7 @@ def test_a_claim_reserved_for_a_pod_attaches_the_device_naming_the_claim_and_the
     assert settled.node_device.attached == lc.Cond("True", "AllocatedToClaim", message, settled.node_device.attached.lastTransitionTime)
     assert pcidev.status["attachedTo"] == ""  # the VMs whose spec lists it: none
     # It holds both objects, as a VM does.
-    assert pcidev.metadata["finalizers"] == [lc.FINALIZER] and lc.FINALIZER in settled.node_device.finalizers
+    assert pcidev.metadata["finalizers"] == [FINALIZER] and FINALIZER in settled.node_device.finalizers
 
 
 def test_a_claim_allocated_but_not_yet_reserved_says_it_waits_for_its_pod():
@@ -97,7 +98,7 @@ def test_the_claim_let_go_detaches_and_releases_both_objects():
     [pcidev] = released.devices
     assert (attached(pcidev)["status"], attached(pcidev)["reason"]) == ("False", "Available")
     assert released.node_device.attached.status == "False"
-    assert pcidev.metadata["finalizers"] == [] and lc.FINALIZER not in released.node_device.finalizers
+    assert pcidev.metadata["finalizers"] == [] and FINALIZER not in released.node_device.finalizers
     detached = [e for e in lc.decide(claimed(settled)).events if e.reason == "Detached"]
     assert {e.kind for e in detached} == {"NodePCIDevice", "PCIDevice"}
 
@@ -114,32 +115,32 @@ def test_a_claim_of_a_namespace_the_device_was_not_handed_to_counts_for_nothing(
     [pcidev] = settled.devices
     assert attached(pcidev)["status"] == "False" and "team-b" not in attached(pcidev)["message"]
     assert settled.node_device.attached is None or settled.node_device.attached.status == "False"
-    assert pcidev.metadata["finalizers"] == [] and lc.FINALIZER not in settled.node_device.finalizers
+    assert pcidev.metadata["finalizers"] == [] and FINALIZER not in settled.node_device.finalizers
 
 
 def test_reassigning_a_device_a_claim_holds_keeps_the_old_pcidevice_and_the_new_namespace_waits():
     settled = converge(claimed(world(node_device("team-a")), GPU_CLAIM))
     moved = converge(dataclasses.replace(settled, node_device=dataclasses.replace(settled.node_device, assigned_namespace="team-b")))
     by_ns = {d.namespace: d for d in moved.devices}
-    assert by_ns["team-a"].deleting and by_ns["team-a"].metadata["finalizers"] == [lc.FINALIZER]
+    assert by_ns["team-a"].deleting and by_ns["team-a"].metadata["finalizers"] == [FINALIZER]
     held = attached(by_ns["team-b"])
     assert (held["status"], held["reason"]) == ("False", "HeldElsewhere")
     assert f"Still held by ResourceClaim team-a/gpu (pod {POD}), in the device's previous namespace" in held["message"]
     assert "lets go of it (its pods end, or it is deleted)" in held["message"]
     assert "stays until ResourceClaim team-a/gpu" in moved.node_device.assigned.message
-    assert lc.FINALIZER in moved.node_device.finalizers
+    assert FINALIZER in moved.node_device.finalizers
     # A claim of team-b meanwhile (the scheduler gives an allocated device to no other claim, but
     # were it written): it waits, with a Warning.
     both = claimed(moved, GPU_CLAIM, Allocation("team-b", "next"))
     plan = lc.decide(both)
-    [new] = of(plan, lc.ApplyDeviceStatus)
+    [new] = of(plan, ApplyDeviceStatus)
     waiting = next(c for c in new.body["status"]["conditions"] if c["type"] == "Attached")
     assert waiting["reason"] == "WaitingForRelease" and "ResourceClaim team-b/next waits" in waiting["message"]
     assert any(e.type == "Warning" and e.reason == "WaitingForRelease" for e in plan.events)
     # team-a's claim lets go: the old PCIDevice goes, and the device is team-b's alone.
     released = converge(claimed(moved))
     assert [d.namespace for d in released.devices] == ["team-b"]
-    assert lc.FINALIZER not in released.node_device.finalizers
+    assert FINALIZER not in released.node_device.finalizers
 
 
 def test_a_pool_gpu_names_the_claim_of_any_namespace_on_its_node_device_and_holds_nothing():
@@ -147,7 +148,7 @@ def test_a_pool_gpu_names_the_claim_of_any_namespace_on_its_node_device_and_hold
     assert settled.devices == ()
     assert settled.node_device.attached.status == "True" and settled.node_device.attached.reason == "AllocatedToClaim"
     assert settled.node_device.attached.message == "Used by ResourceClaim team-c/pool-gpu (pod p)."
-    assert lc.FINALIZER not in settled.node_device.finalizers
+    assert FINALIZER not in settled.node_device.finalizers
 
 
 def test_a_claim_of_another_namespace_is_no_pool_claim_once_the_device_is_assigned():

@@ -6,7 +6,7 @@ the claim for (`status.reservedFor[]`, the pods); the allocation webhook has alr
 allocation that names a device not handed out to the claim's namespace. A result is found by its
 node and address (`key`), never by the NodePCIDevice name the slice's attributes carry: those are
 the agent's words, the address is what the scheduler allocated. Which claims count for a device is
-`lifecycle`'s to decide (`lifecycle.Users`); here is only what a claim says, kept small.
+`lifecycle`'s to decide (`verdict.Users`); here is only what a claim says, kept small.
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def register_device_classes() -> None:
 def register_claims() -> None:
     """With `--dra`: index the ResourceClaims allocated our devices, by (pool, device), and decide
     a device again when a claim's allocation or consumers change: its Attached condition names the
-    claim and its pod, and a claim holds the device as a VM does (lifecycle.Users). Registered only
+    claim and its pod, and a claim holds the device as a VM does (verdict.Users). Registered only
     then, as the chart grants ResourceClaims only in DRA mode."""
 
     @kopf.index("resource.k8s.io", "v1", allocations.PLURAL, id=rec.CLAIMS)

@@ -5,123 +5,39 @@ reference it, and returns the writes that move the cluster toward what the admin
 for. It knows nothing of Kopf or the API client; `controller.reconciler` feeds it from
 Kopf's indexes and carries the plan out. Each call is level-triggered: it never depends on
 what happened before, only on what is there now, so a restarted operator converges.
+
+What it reads and returns is in `world.py` (World, Plan and the writes); what the world says
+of the device before anything is written, in `verdict.py` (Absence, Verdict, Users, Holders).
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from passthrough.api.conditions import Cond, condition, parse_timestamp, timestamp
+from passthrough.api.conditions import Cond, condition, timestamp
 from passthrough.api.labels import NODE_LABEL
 from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCI_DEVICE
-from passthrough.api.views import NOT_HANDED, Device, NodeDevice, expected_name
+from passthrough.api.views import Device, NodeDevice
+from passthrough.controller.verdict import Absence, Holders, Users, Verdict, model_of, pool_claims, users_by_namespace
+from passthrough.controller.world import (
+    FINALIZER,
+    SYSTEM_NAMESPACES,
+    ApplyDevice,
+    ApplyDeviceStatus,
+    ApplyNodeDeviceFinalizer,
+    ApplyNodeDeviceStatus,
+    DeleteDevice,
+    DeleteNodeDevice,
+    Event,
+    Plan,
+    World,
+)
 from passthrough.pci.naming import exclusive_resource_name
 
 if TYPE_CHECKING:
     from passthrough.controller.allocations import Allocation
-
-FINALIZER = "passthrough.io/in-use"
-DEFAULT_GRACE = datetime.timedelta(minutes=10)
-
-# Namespaces that never receive devices: VMs do not run there, and a device handed to one is
-# almost certainly a typo. The CRD refuses them up front; this catches objects that predate it.
-SYSTEM_NAMESPACES = frozenset({"kube-system", "kube-public", "kube-node-lease"})
-
-
-@dataclass(frozen=True)
-class World:
-    """Everything `decide` may look at for one device name."""
-
-    name: str
-    node_device: NodeDevice | None
-    devices: tuple[Device, ...]
-    namespaces: Mapping[str, str]  # name -> phase (Active, Terminating); absent: does not exist
-    referencing_vms: Mapping[str, tuple[str, ...]]  # namespace -> VMs whose spec lists the resource
-    now: datetime.datetime
-    grace: datetime.timedelta = DEFAULT_GRACE
-    # The other functions of its IOMMU group on its node: name -> assigned namespace ("" when
-    # none). VFIO gives a group to one VM, so a group belongs to one namespace.
-    group: Mapping[str, str] = field(default_factory=dict)
-    # Why KubeVirt's allow-list lacks its exclusive entry ("" when it has it, or is not ours).
-    allow_list_problem: str = ""
-    namespace_uids: Mapping[str, str] = field(default_factory=dict)  # name -> uid, of the namespaces above
-    # Whether the device's Node exists. A deleted Node no longer takes its devices with it: its
-    # devices wait out the grace period for a node that registers again under the same name.
-    node_present: bool = True
-    namespace_created: Mapping[str, str] = field(default_factory=dict)  # name -> creationTimestamp
-    # The PassthroughConfig's devices.confirmNewNamespaces: a namespace made after the assignment
-    # waits for a device admin's confirmation (spec.confirmedNamespaceUID).
-    confirm_new_namespaces: bool = False
-    # The models KubeVirt's own device plugin serves (allow-list entries with
-    # externalResourceProvider false): "vvvv:dddd" -> its resource name.
-    served_by_kubevirt: Mapping[str, str] = field(default_factory=dict)
-    # DRA mode: the ResourceClaims whose status allocates this device (by its node and address:
-    # controller/allocations.py), whatever their namespace; `Users` decides which count.
-    claims: tuple[Allocation, ...] = ()
-    # DRA mode: the DeviceClass through which the device's namespace claims it ("" otherwise):
-    # the way to use it that the PCIDevice points a tenant to.
-    device_class: str = ""
-
-
-# -- the plan -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ApplyDevice:
-    namespace: str
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ApplyDeviceStatus:
-    namespace: str
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class DeleteDevice:
-    namespace: str
-    uid: str
-    resource_version: str = ""  # the version decided on: a delete of a changed object fails (409)
-
-
-@dataclass(frozen=True)
-class ApplyNodeDeviceFinalizer:
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ApplyNodeDeviceStatus:
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class DeleteNodeDevice:
-    uid: str
-    resource_version: str = ""  # the version decided on: a node that came back meanwhile changed it
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str  # NodePCIDevice or PCIDevice
-    namespace: str
-    type: str  # Normal or Warning
-    reason: str
-    message: str
-
-
-@dataclass
-class Plan:
-    writes: list[Any] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    requeue_after: float | None = None
-
-    def add(self, other: Plan) -> None:
-        self.writes += other.writes
-        self.events += other.events
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -131,11 +47,6 @@ def format_duration(delta: datetime.timedelta) -> str:
     seconds = int(delta.total_seconds())
     minutes, seconds = divmod(seconds, 60)
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
-
-
-def _vm_list(namespace: str, vms: tuple[str, ...]) -> str:
-    names = ", ".join(f"{namespace}/{vm}" for vm in vms)
-    return f"VirtualMachine {names}" if len(vms) == 1 else f"VirtualMachines {names}"
 
 
 def owner_reference(node_device: NodeDevice) -> dict[str, Any]:
@@ -190,8 +101,8 @@ def device_body(name: str, namespace: str, metadata: dict[str, Any], uid: str = 
 
 # -- the decision -------------------------------------------------------------------------
 # Four steps, each of which reads what the earlier ones found: the verdict (where the device
-# goes, and whether it may be there now), the PCIDevice writes, the finalizers, the
-# NodePCIDevice's status.
+# goes, and whether it may be there now: verdict.py), the PCIDevice writes, the finalizers,
+# the NodePCIDevice's status.
 
 
 def decide(world: World) -> Plan:
@@ -217,197 +128,6 @@ def decide(world: World) -> Plan:
     return plan
 
 
-@dataclass(frozen=True)
-class Absence:
-    """How long the device has been missing from its node (NotFound, or its Node gone), and
-    its Node gone: each counted from when this operator first saw it, by its own clock (Ready's
-    transition time is the node's clock, and it does not move when NotReady turns into
-    NotFound). The Node's absence has a clock of its own: a device NotFound for an hour whose
-    Node is then deleted still waits the whole grace period for the Node to register again."""
-
-    node_gone: bool
-    missing_since: datetime.datetime | None  # None while the device is not missing
-    node_gone_since: datetime.datetime | None  # None while its Node exists
-    expired: bool  # missing for longer than the grace period
-    node_expired: bool  # its Node gone for longer than the grace period
-
-    @classmethod
-    def of(cls, npci: NodeDevice, world: World) -> Absence:
-        node_gone = not world.node_present
-        missing = node_gone or (npci.ready is not None and npci.ready.reason == "NotFound")
-        missing_since = _since(npci.missing_since, world.now) if missing else None
-        node_gone_since = _since(npci.node_gone_since, world.now) if node_gone else None
-        return cls(
-            node_gone=node_gone,
-            missing_since=missing_since,
-            node_gone_since=node_gone_since,
-            expired=missing_since is not None and world.now - missing_since >= world.grace,
-            node_expired=node_gone_since is not None and world.now - node_gone_since >= world.grace,
-        )
-
-    @property
-    def missing(self) -> bool:
-        return self.missing_since is not None
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Where the device goes, and whether it may have its PCIDevice there now.
-
-    A device is handed out only while it is Ready (eligible, bound, present); one already
-    handed out keeps its PCIDevice through NotReady, and through NotFound for the grace period.
-    An assignment belongs to the namespace it was handed to (its uid): one deleted and made
-    again under the same name, perhaps by another tenant, does not inherit the device (unless a
-    device admin confirms the new one by its uid). A group member assigned elsewhere blocks a new
-    hand-out; one already handed out stays. With devices.confirmNewNamespaces, a namespace made
-    after the assignment waits for that confirmation too.
-
-    Never handed out, nor kept: a NodePCIDevice whose name is not the one the agent gives a
-    device with its attributes (written by someone else, or its attributes changed: an agent
-    could take the name another node's device will get), and a model KubeVirt's own device
-    plugin serves (to VMs of every namespace, whatever is assigned).
-    """
-
-    target: str  # the namespace assigned ("" when none, or the NodePCIDevice is being deleted)
-    phase: str | None  # the target's phase (None: it does not exist)
-    target_uid: str
-    recreated: bool  # the target was deleted and made again since the device was handed to it
-    not_ready: bool  # not handed out yet, and not Ready to be
-    conflict: tuple[str, str] | None  # (member, namespace) of the IOMMU group assigned elsewhere
-    usable: bool  # the target may have its PCIDevice now
-    current: Device | None  # the target's PCIDevice, when usable and there is one
-    will_exist: bool  # the target's PCIDevice is there (or made) after this plan
-    misnamed: str = ""  # the name its attributes give, when the object has another one
-    kubevirt_resource: str = ""  # the resource KubeVirt's own plugin serves its model as, when it does
-    unconfirmed: bool = False  # its namespace was made after the assignment and awaits a device admin
-
-    @classmethod
-    def of(cls, npci: NodeDevice, world: World, absence: Absence) -> Verdict:
-        target = "" if npci.deleting else npci.assigned_namespace
-        phase = world.namespaces.get(target) if target else None
-        target_uid = world.namespace_uids.get(target, "") if target else ""
-        confirmed = bool(target_uid) and npci.confirmed_uid == target_uid
-        handed_name, handed_uid = npci.handed_to
-        recreated = bool(target and handed_name == target and handed_uid and target_uid and handed_uid != target_uid
-                         and not confirmed)  # fmt: skip
-        handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
-        expected = expected_name(npci)
-        misnamed = expected if expected and expected != npci.name else ""
-        kubevirt_resource = world.served_by_kubevirt.get(_model(npci), "") if target else ""
-        unconfirmed = bool(
-            target and world.confirm_new_namespaces and phase is not None and not confirmed and not handed_out
-            and npci.handed_to != (target, target_uid)
-            and not _older(world.namespace_created.get(target, ""), npci.assigned_at)
-        )  # fmt: skip
-        ready = npci.ready is not None and npci.ready.status == "True"
-        not_ready = bool(target) and not handed_out and (absence.node_gone or not ready)
-        conflict = next(((other, ns) for other, ns in sorted(world.group.items()) if ns and ns != target), None)
-        conflict = conflict if target and not handed_out else None
-        usable = (bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not absence.expired
-                  and not not_ready and conflict is None and not recreated and not misnamed and not kubevirt_resource
-                  and not unconfirmed)  # fmt: skip
-        current = next((d for d in world.devices if d.namespace == target), None) if usable else None
-        return cls(target=target, phase=phase, target_uid=target_uid, recreated=recreated, not_ready=not_ready,
-                   conflict=conflict, usable=usable, current=current,
-                   will_exist=usable and (current is None or not current.deleting), misnamed=misnamed,
-                   kubevirt_resource=kubevirt_resource, unconfirmed=unconfirmed)  # fmt: skip
-
-
-def _model(npci: NodeDevice) -> str:
-    return f"{npci.attributes.get('vendorID', '')}:{npci.attributes.get('deviceID', '')}".lower()
-
-
-def _older(created: str, assigned_at: str) -> bool:
-    """Whether a namespace created at `created` existed before the assignment written at
-    `assigned_at`. Both are the API server's whole seconds: the same second, or either unknown,
-    is not "before" (the admin is asked rather than a tenant trusted)."""
-    made, assigned = parse_timestamp(created), parse_timestamp(assigned_at)
-    return made is not None and assigned is not None and made < assigned
-
-
-@dataclass(frozen=True)
-class Users:
-    """Who uses the device in one namespace: the VMs whose spec lists it and, in DRA mode, the
-    ResourceClaims of that namespace allocated it.
-
-    A claim is a user as a VM is: it keeps the namespace's PCIDevice Terminating (the finalizer)
-    and the NodePCIDevice, and while it is of the namespace the device was assigned to before, the
-    new namespace's VMs and claims wait (HeldElsewhere; the scheduler gives an allocated device to
-    no other claim). A claim lets go when its last pod ends (kube-controller-manager then takes its
-    allocation back) or when it is deleted. Only claims of a namespace the device was handed out
-    to count (`Holders`, `_users`): an allocation the webhook should have refused does not keep a
-    device anywhere.
-    """
-
-    namespace: str
-    vms: tuple[str, ...] = ()
-    claims: tuple[Allocation, ...] = ()
-
-    @classmethod
-    def of(cls, world: World, namespace: str) -> Users:
-        claims = tuple(c for c in world.claims if c.namespace == namespace)
-        return cls(namespace, world.referencing_vms.get(namespace, ()), claims)
-
-    def __bool__(self) -> bool:
-        return bool(self.vms or self.claims)
-
-    def using(self) -> list[str]:
-        """Those that use it now: the VMs, and the claims reserved for a pod."""
-        vms = [_vm_list(self.namespace, self.vms)] if self.vms else []
-        return vms + [c.describe() for c in self.claims if c.consumers]
-
-    def waiting_for_pods(self) -> list[str]:
-        """The claims allocated it that no pod is reserved for yet."""
-        return [c.describe() for c in self.claims if not c.consumers]
-
-    def names(self) -> str:
-        return "; ".join(self.using() + self.waiting_for_pods())
-
-    def until_released(self) -> str:
-        """What letting go takes, to end a sentence `... until <this>`."""
-        parts = [f"{_vm_list(self.namespace, self.vms)} drops it from its spec"] if self.vms else []
-        if len(self.claims) == 1:
-            parts.append(f"{self.claims[0].describe()} lets go of it (its pods end, or it is deleted)")
-        elif self.claims:
-            parts.append(f"{', '.join(c.describe() for c in self.claims)} let go of it (their pods end, or they are deleted)")
-        return " and ".join(parts)
-
-
-@dataclass(frozen=True)
-class Holders:
-    """The users of the device in each namespace it has a PCIDevice in, and the PCIDevices that go
-    (every one but the current one)."""
-
-    referenced: Mapping[str, Users]  # namespace of each PCIDevice -> the VMs and claims there that use it
-    leaving: tuple[Device, ...]
-    # Of those, the ones that outlive this plan: a user holds them (or their namespace is going).
-    lingering: tuple[Device, ...]
-    # Users of another namespace that still hold the device (reassigned under them): until they
-    # let go, the target namespace's wait, and both objects say so.
-    held_elsewhere: Mapping[str, Users]
-
-    @classmethod
-    def of(cls, world: World, target: str, phase: str | None, current: Device | None = None) -> Holders:
-        referenced = {d.namespace: Users.of(world, d.namespace) for d in world.devices}
-        leaving = tuple(d for d in world.devices if d is not current or d.deleting)
-        lingering = tuple(d for d in leaving if referenced[d.namespace] or (d.namespace == target and phase == "Terminating"))
-        held_elsewhere = {d.namespace: referenced[d.namespace] for d in lingering if d.namespace != target and referenced[d.namespace]}
-        return cls(referenced, leaving, lingering, held_elsewhere)
-
-
-def _users(world: World, verdict: Verdict, holders: Holders) -> dict[str, Users]:
-    """Namespace -> the VMs and claims there that use the device, wherever its PCIDevice is."""
-    users = {ns: found for ns, found in holders.referenced.items() if found}
-    if verdict.will_exist and (found := Users.of(world, verdict.target)):
-        users[verdict.target] = found
-    return users
-
-
-def _pool_claims(npci: NodeDevice, world: World) -> tuple[Allocation, ...]:
-    """The claims of any namespace allocated a device nobody has: an unassigned GPU is the pool
-    every namespace may claim (admission/claims.py). They are reported on the NodePCIDevice, and
-    hold nothing: like a VM that asks for a pool GPU by model, they keep no finalizer."""
-    return world.claims if not npci.assigned_namespace and npci.handed_to == NOT_HANDED and not world.devices else ()
 
 
 # -- the PCIDevices ---------------------------------------------------------------------------
@@ -489,7 +209,7 @@ def _collection(npci: NodeDevice, world: World, absence: Absence, verdict: Verdi
 def _node_finalizer(npci: NodeDevice, world: World, verdict: Verdict, holders: Holders) -> list[Any]:
     """The NodePCIDevice holds the finalizer while a VM uses the device; one being deleted, while
     a PCIDevice lingers. Nor can a NodePCIDevice being deleted gain one."""
-    want = bool(holders.lingering) if npci.deleting else bool(_users(world, verdict, holders))
+    want = bool(holders.lingering) if npci.deleting else bool(users_by_namespace(world, verdict, holders))
     if want == (FINALIZER in npci.finalizers) or (npci.deleting and want):
         return []
     body = {"apiVersion": API_VERSION, "kind": NODE_PCI_DEVICE.kind,
@@ -504,8 +224,8 @@ def _node_status(npci: NodeDevice, world: World, verdict: Verdict, absence: Abse
     target = verdict.target
     assigned = _assigned_condition(npci, world, verdict, absence, holders)
     waiting = Users.of(world, target) if verdict.will_exist and holders.held_elsewhere else Users(target)
-    users = [found for ns, found in sorted(_users(world, verdict, holders).items()) if not (waiting and ns == target)]
-    attached = _attached_condition(users, waiting, _pool_claims(npci, world))
+    users = [found for ns, found in sorted(users_by_namespace(world, verdict, holders).items()) if not (waiting and ns == target)]
+    attached = _attached_condition(users, waiting, pool_claims(npci, world))
     # Recorded once handed out; kept while the namespace is away or was made anew; cleared with
     # the assignment (the admin assigning again is what gives the device to a new namespace).
     ref = ("", "") if not target else ((target, verdict.target_uid) if verdict.will_exist and verdict.target_uid else npci.handed_to)
@@ -566,10 +286,6 @@ def _node_gone_note(npci: NodeDevice, world: World, since: datetime.datetime | N
             "period), then removed")
 
 
-def _since(recorded: str, now: datetime.datetime) -> datetime.datetime:
-    # Ours, but an object can carry anything: unreadable or in the future counts from now.
-    when = parse_timestamp(recorded)
-    return when if when is not None and when <= now else now
 
 
 def _later(when: datetime.datetime, by: datetime.timedelta) -> datetime.datetime:
@@ -688,7 +404,7 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
     if target in SYSTEM_NAMESPACES:
         return Cond("False", "Available", f"{target} is a system namespace and cannot receive devices; assign the device to a tenant namespace.")
     if verdict.kubevirt_resource:
-        model = _model(npci).upper()
+        model = model_of(npci).upper()
         return Cond("False", "ServedByKubeVirt",
                     f"KubeVirt's own device plugin serves every {model} device on vfio-pci as {verdict.kubevirt_resource}, "
                     f"to VMs of any namespace (the PassthroughConfig's gpu.permittedHostDevices lists {model} with "
@@ -780,7 +496,7 @@ def _attached_condition(
 ) -> Cond:  # fmt: skip
     """The NodePCIDevice's Attached: `users` of each namespace; `waiting`: those of the target
     namespace that want the device but wait for the users holding it elsewhere; `pool`: the claims
-    of any namespace allocated it while it is in the pool (`_pool_claims`)."""
+    of any namespace allocated it while it is in the pool (`verdict.pool_claims`)."""
     if pool:
         users = [*users, *(Users(c.namespace, claims=(c,)) for c in pool)]
     if not any(users):

@@ -20,6 +20,8 @@ from passthrough.api.models import API_VERSION, CONFIG_NAME, MAX_GRACE_SECONDS, 
 from passthrough.api.views import NodeDevice
 from passthrough.controller import allocations, deviceclasses, kubevirt_sync, lifecycle, metrics
 from passthrough.controller.workqueue import WorkQueue, run_workers
+from passthrough.controller.world import (ApplyDevice, ApplyDeviceStatus, ApplyNodeDeviceFinalizer, ApplyNodeDeviceStatus,
+                                          DeleteDevice, DeleteNodeDevice, Event, World)
 from passthrough.kube.custom import OPERATOR_MANAGER, Custom
 from passthrough.kube.events import EventRecorder
 from passthrough.kube.client import MERGE_PATCH, ApiError
@@ -212,7 +214,7 @@ class Reconciler:
         """Namespace -> the names of the devices assigned to it."""
         return self.indices[DEVICES_BY_NAMESPACE]
 
-    def world(self, name: str) -> lifecycle.World:
+    def world(self, name: str) -> World:
         node_devices = _values(self.indices[NODE_DEVICES], name)
         devices = tuple(sorted(_values(self.indices[DEVICES], name), key=lambda d: d.namespace))
         resource = exclusive_resource_name(name)
@@ -223,7 +225,7 @@ class Reconciler:
         referencing = {ns: tuple(sorted(set(_values(vm_index, (ns, resource))))) for ns in namespaces}
         found = {ns: seen for ns in namespaces for seen in _values(self.indices[NAMESPACES], ns)[:1]}
         npci = node_devices[0] if node_devices else None
-        return lifecycle.World(
+        return World(
             name=name,
             node_device=npci,
             group=self.group_of(npci) if npci else {},
@@ -293,7 +295,7 @@ class Reconciler:
         reports: list[Any] = []
         for write in plan.writes:
             namespace = getattr(write, "namespace", None)
-            if namespace is None and (reports or isinstance(write, lifecycle.ApplyNodeDeviceStatus)):
+            if namespace is None and (reports or isinstance(write, ApplyNodeDeviceStatus)):
                 reports.append(write)
             else:
                 sequences.setdefault(("device", namespace) if namespace is not None else ("node-device", ""), []).append(write)
@@ -325,11 +327,11 @@ class Reconciler:
         # A write with a namespace is to a PCIDevice; one without, to the NodePCIDevice.
         namespace = getattr(write, "namespace", None)
         kind, what = (self.devices, "device") if namespace is not None else (self.node_devices, "node-device")
-        if isinstance(write, lifecycle.DeleteDevice | lifecycle.DeleteNodeDevice):
+        if isinstance(write, DeleteDevice | DeleteNodeDevice):
             return await self._delete(kind, what, name, namespace, write)
-        if isinstance(write, lifecycle.ApplyDevice | lifecycle.ApplyDeviceStatus | lifecycle.ApplyNodeDeviceFinalizer
-                      | lifecycle.ApplyNodeDeviceStatus):  # fmt: skip
-            status = isinstance(write, lifecycle.ApplyDeviceStatus | lifecycle.ApplyNodeDeviceStatus)
+        if isinstance(write, ApplyDevice | ApplyDeviceStatus | ApplyNodeDeviceFinalizer
+                      | ApplyNodeDeviceStatus):  # fmt: skip
+            status = isinstance(write, ApplyDeviceStatus | ApplyNodeDeviceStatus)
             try:
                 with metrics.write(f"{kind.plural}/status" if status else kind.plural, "apply"):
                     obj = await kind.apply(write.body, OPERATOR_MANAGER, status=status)
@@ -501,7 +503,7 @@ class Reconciler:
                     if not waiting and self._waiters.get(key) is waiting:
                         del self._waiters[key]
 
-    def _post(self, name: str, world: lifecycle.World, event: lifecycle.Event, made: Mapping[str, str] | None = None) -> None:
+    def _post(self, name: str, world: World, event: Event, made: Mapping[str, str] | None = None) -> None:
         if event.kind == NODE_PCI_DEVICE.kind:
             uid = world.node_device.uid if world.node_device else ""
             involved = {"api_version": API_VERSION, "kind": event.kind, "name": name, "uid": uid}
