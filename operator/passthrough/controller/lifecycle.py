@@ -21,19 +21,8 @@ from passthrough.api.labels import NODE_LABEL
 from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCI_DEVICE
 from passthrough.api.views import Device, NodeDevice
 from passthrough.controller.verdict import Absence, Holders, Users, Verdict, model_of, pool_claims, users_by_namespace
-from passthrough.controller.world import (
-    FINALIZER,
-    SYSTEM_NAMESPACES,
-    ApplyDevice,
-    ApplyDeviceStatus,
-    ApplyNodeDeviceFinalizer,
-    ApplyNodeDeviceStatus,
-    DeleteDevice,
-    DeleteNodeDevice,
-    Event,
-    Plan,
-    World,
-)
+from passthrough.controller.world import (FINALIZER, SYSTEM_NAMESPACES, ApplyDevice, ApplyDeviceStatus, ApplyNodeDeviceFinalizer,
+                                          ApplyNodeDeviceStatus, DeleteDevice, DeleteNodeDevice, Event, Plan, World)
 from passthrough.pci.naming import exclusive_resource_name
 
 if TYPE_CHECKING:
