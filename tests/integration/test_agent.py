@@ -133,9 +133,23 @@ async def test_a_node_deleted_and_registered_again_keeps_its_device_objects(api,
     agent = agent_for(api, node, host, pci_ids)
     await agent.scan()
     before = {address: obj["metadata"]["uid"] for address, obj in (await on_node(kind, node)).items()}
-    await client.CoreV1Api(api).delete_node(node.name)
-    # The garbage collector had deleted them here while the Node owned them; give it the time.
-    await asyncio.sleep(3)
+    assert not any(o["metadata"].get("ownerReferences") for o in (await on_node(kind, node)).values())
+    # The garbage collector had deleted them here while the Node owned them. A ConfigMap the
+    # Node owns is the marker: once the collector has deleted it, it has acted on the Node's end.
+    core = client.CoreV1Api(api)
+    marker = client.V1ConfigMap(metadata=client.V1ObjectMeta(
+        name=f"owned-by-{node.name}", owner_references=[client.V1OwnerReference(api_version="v1", kind="Node", name=node.name, uid=node.uid)]))  # fmt: skip
+    await core.create_namespaced_config_map("default", marker)
+    await core.delete_node(node.name)
+
+    async def marker_gone() -> bool:
+        try:
+            await core.read_namespaced_config_map(marker.metadata.name, "default")
+        except client.ApiException as exc:
+            return exc.status == 404
+        return False
+
+    await support.wait_for(marker_gone, 60, what="the garbage collector to delete what the Node owned")
     assert {a: o["metadata"]["uid"] for a, o in (await on_node(kind, node)).items()} == before
     result = await agent.scan()  # an agent whose Node is gone reports nothing
     assert result.writes == 0

@@ -48,7 +48,9 @@ async def test_an_api_server_that_hangs_up_mid_request_does_not_stop_the_agent(a
         proxy.hang_up()
         # Scans every second, each answered by a server that goes away mid-request.
         await support.wait_for(lambda: asyncio.sleep(0, proxy.hung_up >= 5), 20, what="requests hung up on")
-        await asyncio.sleep(2)
+        # Still scanning after them: two more requests, each hung up on too.
+        seen = proxy.hung_up
+        await support.wait_for(lambda: asyncio.sleep(0, proxy.hung_up >= seen + 2), 20, what="requests after the hang-ups")
         assert agent.alive(), agent.output()[-3000:]
         host.remove_device("0000:af:00.1")  # something to report once the server answers again
         proxy.pass_through()

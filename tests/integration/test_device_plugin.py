@@ -97,9 +97,14 @@ async def test_an_assigned_gpu_leaves_the_pool_and_a_pod_receives_its_address(ap
     placed = await core.read_namespaced_pod("vm-launcher", namespace)
     assert placed.spec.node_name == kubelet.node_name
 
-    # A second pod asking for the same device does not fit: it has one.
+    # A second pod asking for the same device does not fit: it has one. The scheduler says so.
     await support.create_pod(api, namespace, support.launcher_pod("second", resource))
-    await asyncio.sleep(3)
+
+    async def unschedulable():
+        pod = await core.read_namespaced_pod("second", namespace)
+        return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in pod.status.conditions or [])
+
+    await support.wait_for(unschedulable, 60, 0.2, what="the second pod found unschedulable")
     assert not any(c["envs"].get("MARK") == "second" for c in kubelet.created_containers())
     await support.delete_pod(api, namespace, "second")
     await support.delete_pod(api, namespace, "vm-launcher")

@@ -291,10 +291,14 @@ async def test_reassigning_while_a_vm_uses_the_device_never_cuts_it_off(api, kin
             return old is not None and old["metadata"].get("deletionTimestamp")
 
         await support.wait_for(old_terminating, what="old PCIDevice Terminating")
-        await asyncio.sleep(2)  # it stays: the VM still lists it
+        # It stays, the VM still listing it: the operator's word on the NodePCIDevice is the marker.
+        says = f"stays until VirtualMachine {namespace}/running drops it"
+
+        async def held():
+            return says in (await condition_of(npci, name, "Assigned")).get("message", "")
+
+        await support.wait_for(held, what="the Assigned condition saying the old PCIDevice stays")
         assert await old_terminating()
-        message = (await condition_of(npci, name, "Assigned"))["message"]
-        assert f"stays until VirtualMachine {namespace}/running drops it" in message
         live_vm = await client.CustomObjectsApi(api).get_namespaced_custom_object("kubevirt.io", "v1", namespace, "virtualmachines", "running")
         assert live_vm["metadata"]["resourceVersion"] == vm["metadata"]["resourceVersion"]  # the VM is untouched
 

@@ -11,7 +11,6 @@ agent (over a fixture GPU host with its simulated kernel) run throughout.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -573,7 +572,8 @@ async def test_with_confirm_new_namespaces_a_namespace_a_tenant_makes_after_the_
         uid = json.loads(cluster.kubectl("get", "namespace", team, "-o", "json").stdout)["metadata"]["uid"]
         assert got["status"] == "False" and f"uid {uid}" in got["message"], got
         # Nothing reached the namespace: no PCIDevice, no hand-out (which is what the node acts on).
-        await asyncio.sleep(2)
+        # The condition is the marker: the operator writes a NodePCIDevice's status only after the
+        # PCIDevice writes of the same decision, and decides the same again from the same objects.
         assert await pcidevices.get(name, team) is None
         assert (await npci.get(name))["status"].get("assignedNamespaceRef") is None
         # The tenant cannot confirm it itself.
