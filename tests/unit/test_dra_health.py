@@ -13,7 +13,8 @@ import pytest
 from e2e import fakesysfs
 from passthrough.dra import health as dra_health
 from passthrough.dra import slice as dra_slice
-from passthrough.dra.driver import SERVICES, Driver, PreparedClaim
+from passthrough.dra.driver import SERVICES, Driver
+from passthrough.dra.prepared import PreparedClaim
 from passthrough.dra.kubeletapi.drahealth_v1 import api_pb2 as health
 from passthrough.pci.pciids import PciIds
 

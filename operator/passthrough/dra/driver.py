@@ -19,8 +19,9 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
   in the slice and Healthy when it recovers (`dra.health`).
 - Prepare: the same binder child as the device plugins (`pci.binder.Binder`); what it moved is
   recorded (`agent.bound.Bound`, in the plugin directory) so only that is ever given back.
-  Prepared claims are kept in `checkpoint.json` there: a repeated prepare (kubelet retry or
-  restart) answers the same, an unprepare after our own restart finds its files.
+  Prepared claims are kept in `checkpoint.json` there (`dra.prepared`, with the files they
+  leave): a repeated prepare (kubelet retry or restart) answers the same, an unprepare after
+  our own restart finds its files.
 - The node's guarantee, kept here too: a device handed out to namespace X is prepared only for a
   claim of X, whatever the scheduler allocated (the webhook and per-namespace DeviceClasses are
   the first gates; this is the last).
@@ -34,13 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +56,7 @@ from passthrough.dra import cdi
 from passthrough.dra import health as dra_health
 from passthrough.dra import others as dra_others
 from passthrough.dra import slice as dra_slice
+from passthrough.dra.prepared import PreparedClaim, load_checkpoint, remove_files, save_checkpoint, write_files
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
 from passthrough.dra.kubeletapi.drahealth_v1 import api_pb2_grpc as health_grpc
@@ -83,7 +82,6 @@ CDI_DIR = Path("/var/run/cdi")
 # from a plugin that lists the health service here.
 SERVICES = ("v1.DRAPlugin", dra_health.SERVICE)
 PLUGIN_TYPE = "DRAPlugin"
-CHECKPOINT = "checkpoint.json"
 RETRY = 5.0  # seconds before the next pass after a failed one
 HEALTH_POLL = 0.5  # seconds between health reads of the published devices (cheap: no device lock)
 # Seconds the first pass waits for the kubelet to register the driver: a claim allocated from a
@@ -96,14 +94,6 @@ SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path, at most (sun_path, less 
 
 class DriverError(RuntimeError):
     """The driver cannot run at all; the message says what to do."""
-
-
-@dataclass
-class PreparedClaim:
-    namespace: str
-    name: str
-    devices: list[dict[str, Any]] = field(default_factory=list)  # cdi.PreparedDevice fields + cdi_ids
-    files: list[str] = field(default_factory=list)  # CDI specs and metadata files written for it
 
 
 class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, reg_grpc.RegistrationServicer):
@@ -147,7 +137,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self._closing = asyncio.Event()  # set at shutdown: health streams end
         self._candidates: dict[str, int] = {}  # address -> IOMMU group, of what the last pass would publish
         self.discovery: Discovery | None = None
-        self.prepared: dict[str, PreparedClaim] = self._load()
+        self.prepared: dict[str, PreparedClaim] = load_checkpoint(self.plugin_dir)
         self.registered = asyncio.Event()
         self.published = asyncio.Event()  # set after the first pass wrote or confirmed the slice
         self.passes = 0
@@ -529,9 +519,9 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                                    cdev=self._cdev(item.device.address))
                 for r, item in chosen
             ]  # fmt: skip
-            prepared = self._write_files(claim, devices)
+            prepared = write_files(claim, devices, self.cdi_dir, self.plugin_dir)
             self.prepared[uid] = prepared
-            self._save()
+            save_checkpoint(self.plugin_dir, self.prepared)
             log.info("prepared claim %s/%s: %s", namespace, name,
                      ", ".join(f"{d.name} ({d.address}, IOMMU group {d.iommu_group})" for d in devices))  # fmt: skip
             return [_device_message(d) for d in prepared.devices]
@@ -551,42 +541,14 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             raise PrepareError(f"claim {namespace}/{name} was replaced (uid {claim['metadata'].get('uid')}, not {uid})")
         return claim
 
-    def _write_files(self, claim: dict[str, Any], devices: list[cdi.PreparedDevice]) -> PreparedClaim:
-        meta = claim["metadata"]
-        uid, namespace, name = meta["uid"], meta["namespace"], meta["name"]
-        pod_claim = (meta.get("annotations") or {}).get(cdi.POD_CLAIM_ANNOTATION, "")
-        prepared = PreparedClaim(namespace=namespace, name=name)
-        self.cdi_dir.mkdir(parents=True, exist_ok=True)
-        spec_file = cdi.vfio_spec_file(self.cdi_dir, uid)
-        _write(spec_file, json.dumps(cdi.vfio_spec(uid, devices), indent=2))
-        prepared.files.append(str(spec_file))
-        by_request: dict[str, list[cdi.PreparedDevice]] = {}
-        for device in devices:
-            by_request.setdefault(device.request, []).append(device)
-        for request, members in by_request.items():
-            host = cdi.metadata_host_path(self.plugin_dir, namespace, name, request)
-            host.parent.mkdir(parents=True, exist_ok=True)
-            _write(host, cdi.metadata_stream(DRIVER, claim, request, members))
-            spec = cdi.metadata_spec(DRIVER, uid, request, host, cdi.metadata_container_path(DRIVER, name, request, pod_claim))
-            spec_file = cdi.metadata_spec_file(self.cdi_dir, DRIVER, uid, request)
-            _write(spec_file, json.dumps(spec, indent=2))
-            prepared.files += [str(spec_file), str(host.parent.parent)]
-        ids = cdi.cdi_ids(uid, DRIVER, devices)
-        prepared.devices = [{**asdict(d), "attributes": dict(d.attributes), "cdi_ids": ids[d.name]} for d in devices]
-        return prepared
-
     async def _unprepare(self, uid: str) -> None:
         async with self._lock:
             prepared = self.prepared.get(uid)
             if prepared is None:
                 return  # never prepared here, or already unprepared: nothing to undo
-            for path in map(Path, prepared.files):
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+            remove_files(prepared)
             del self.prepared[uid]
-            self._save()
+            save_checkpoint(self.plugin_dir, self.prepared)
             log.info("unprepared claim %s/%s", prepared.namespace, prepared.name)
         # Its group stays on vfio-pci while the device is published (the next VM starts at once);
         # the next pass gives back what left passthrough.
@@ -594,23 +556,6 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
 
     def _cdev(self, address: str) -> str:
         return vfio.iommufd_device(self.sysfs_root, self.dev_root, address)
-
-    # -- the checkpoint ------------------------------------------------------------------------
-
-    def _load(self) -> dict[str, PreparedClaim]:
-        path = self.plugin_dir / CHECKPOINT
-        try:
-            data = json.loads(path.read_text())
-            return {uid: PreparedClaim(**claim) for uid, claim in data.items()}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, TypeError) as exc:
-            log.warning("%s is unreadable (%s): prepared claims are prepared again when the kubelet asks", path, exc)
-            return {}
-
-    def _save(self) -> None:
-        _write(self.plugin_dir / CHECKPOINT, json.dumps({uid: asdict(c) for uid, c in self.prepared.items()}, indent=2))
-
 
 async def _first(*events: asyncio.Event, timeout: float) -> None:
     """Until one of `events` is set, or `timeout` seconds pass."""
@@ -637,11 +582,3 @@ def _address_of(device_name: str) -> str:
 def _device_message(device: dict[str, Any]) -> dra.Device:
     return dra.Device(request_names=[cdi.base_request(device["request"])], pool_name=device["pool"],
                       device_name=device["name"], cdi_device_ids=device["cdi_ids"])  # fmt: skip
-
-
-def _write(path: Path, text: str) -> None:
-    """Whole or not at all: the runtime may read a CDI spec at any moment."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
