@@ -20,10 +20,10 @@ import kopf
 from passthrough.admission.claims import handed_to
 from passthrough.admission.rules import PREFIX as EXCLUSIVE_PREFIX, referenced_device_names
 from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE, VERSION
+from passthrough.api.views import Device, NodeDevice
 from passthrough.controller import allocations, deviceclasses
 from passthrough.controller import reconciler as rec
 from passthrough.controller.kubevirt_sync import ConfigView, KubeVirtView, device_sync_inputs, node_device_sync_inputs
-from passthrough.api.views import Device, NodeDevice
 from passthrough.kube.cache import Informer
 from passthrough.kube.connect import session
 
