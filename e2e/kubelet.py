@@ -448,6 +448,13 @@ class KubeletNode:
     def kubelet_alive(self) -> bool:
         return self._kubelet is not None and self._kubelet.alive()
 
+    def freeze(self) -> None:
+        """Stop the kubelet process (SIGSTOP): what reaches it waits, unread, until `thaw`."""
+        os.kill(self._kubelet.popen.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self._kubelet.popen.pid, signal.SIGCONT)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _prepare(self) -> None:

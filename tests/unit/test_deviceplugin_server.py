@@ -248,6 +248,15 @@ async def test_a_withdrawn_resource_tells_its_streams_every_device_is_unhealthy_
         assert await asyncio.wait_for(stream.read(), 2) is grpc.aio.EOF
 
 
+def test_each_later_socket_of_a_resource_has_a_name_of_its_own_within_the_unix_limit():
+    plugin_dir = Path("/var/lib/kubelet/device-plugins")
+    for resource in (A10, NIC, "example.com/" + "x" * 63):
+        names = [socket_name(resource, plugin_dir, generation) for generation in range(12)]
+        assert len(set(names)) == len(names) and names[0] == socket_name(resource, plugin_dir)
+        assert all(n.startswith("passthrough-") and n.endswith(".sock") for n in names)
+        assert all(len(os.fsencode(plugin_dir / n)) < UNIX_PATH_MAX for n in names)
+
+
 # The manager, against the stand-in kubelet.
 
 
@@ -340,12 +349,25 @@ async def test_after_a_kubelet_restart_every_plugin_listens_and_registers_again_
         )
         assert time.monotonic() - started < 5
         assert all(len(kubelet.registered(r)) == 2 for r in (A10, NIC))
-        async with channel_to(plugin_dir / socket_name(A10, plugin_dir)) as channel:
+        async with channel_to(manager.plugin(A10).socket_path) as channel:  # a new socket, as the kubelet was told
             first = await asyncio.wait_for(api_grpc.DevicePluginStub(channel).ListAndWatch(api.Empty()).read(), 1)
         assert [d.ID for d in first.devices] == [GPU0.id, GPU1.id]
     finally:
         await manager.close()
     await asyncio.wait_for(runner, 2)
+
+
+async def test_a_resource_served_again_registers_a_socket_it_has_not_used_before(plugin_dir, kubelet):
+    manager = PluginManager(plugin_dir)
+    try:
+        await manager.set_resources({A10: [GPU0]})
+        await manager.set_resources({})
+        await manager.set_resources({A10: [GPU0]})
+        first, second = kubelet.registered(A10)
+        assert first.endpoint == socket_name(A10, plugin_dir) and second.endpoint == socket_name(A10, plugin_dir, 1)
+        assert not (plugin_dir / first.endpoint).exists() and (plugin_dir / second.endpoint).exists()
+    finally:
+        await manager.close()
 
 
 async def test_stale_sockets_of_an_earlier_agent_are_removed_at_start(plugin_dir, kubelet):

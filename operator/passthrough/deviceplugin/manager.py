@@ -22,7 +22,7 @@ from passthrough.agent import metrics
 from passthrough.deviceplugin.allocation import VFIO_DIR, PluginDevice
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc
-from passthrough.deviceplugin.server import API_VERSION, HEALTHY, SOCKET_PREFIX, UNHEALTHY, Admit, DevicePlugin
+from passthrough.deviceplugin.server import API_VERSION, HEALTHY, SOCKET_PREFIX, UNHEALTHY, Admit, DevicePlugin, socket_name
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class PluginManager:
         self._state: dict[str, Registration] = {}
         self._retry_at: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
+        self._sockets: dict[str, int] = {}  # resource -> sockets listened on for it so far (server.socket_name)
         self._kubelet: tuple[int, int, int] | None = None  # identity of the kubelet.sock we last registered with
         self._waiting_logged = False
         self._health_failures: set[str] = set()
@@ -179,6 +180,10 @@ class PluginManager:
                 if plugin.serving:
                     log.info("the socket of %s (%s) was removed: listening again", name, plugin.socket_path)
                 await plugin.stop(grace=0)
+                # Never a path the kubelet may still hold for an earlier socket (server.py's docstring).
+                generation = self._sockets.get(name, 0)
+                self._sockets[name] = generation + 1
+                plugin.listen_at(socket_name(name, self.plugin_dir, generation))
                 try:
                     await plugin.start()
                 except OSError as exc:

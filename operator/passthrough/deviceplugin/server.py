@@ -11,6 +11,13 @@ resource name has one `/` and no `_` in its domain. A unix socket path has at mo
 `passthrough-<first 16 hex digits of sha1(resource name)>.sock` instead. Under
 /var/lib/kubelet/device-plugins/ that happens from 59 characters of resource name on, which
 includes every `passthrough.io/pci-<40 hex>` exclusive resource.
+
+A resource served again (withdrawn and back, or its socket removed) listens on a new file,
+`-1`, `-2`, ... before `.sock`: the kubelet keys a plugin by resource and socket path, and a
+registration at the path of one it has not yet let go of is refused ("device plugin already
+connected"); the kubelet's clean-up of the refused one then forgets the old connection too, so
+every later registration at that path is refused until the kubelet restarts (kubelet 1.37.2,
+pkg/kubelet/cm/devicemanager: `PluginConnected`, `deregisterClient`).
 """
 
 from __future__ import annotations
@@ -44,12 +51,14 @@ UNIX_PATH_MAX = 108  # sizeof(sun_path), the terminating NUL included
 Admit = Callable[[str, list[str]], Awaitable[str]]
 
 
-def socket_name(resource_name: str, plugin_dir: Path) -> str:
-    """The stable socket file name of a resource in plugin_dir (see the module's docstring)."""
-    readable = f"{SOCKET_PREFIX}{resource_name.replace('/', '_')}.sock"
+def socket_name(resource_name: str, plugin_dir: Path, generation: int = 0) -> str:
+    """The socket file name of a resource in plugin_dir (see the module's docstring); from the
+    second socket of the resource on (`generation` 1, 2, ...), with `-<generation>` added."""
+    suffix = f"-{generation}" if generation else ""
+    readable = f"{SOCKET_PREFIX}{resource_name.replace('/', '_')}{suffix}.sock"
     if len(os.fsencode(Path(plugin_dir) / readable)) < UNIX_PATH_MAX:
         return readable
-    return f"{SOCKET_PREFIX}{hashlib.sha1(resource_name.encode()).hexdigest()[:16]}.sock"
+    return f"{SOCKET_PREFIX}{hashlib.sha1(resource_name.encode()).hexdigest()[:16]}{suffix}.sock"
 
 
 def device_message(device: PluginDevice) -> api.Device:
@@ -110,6 +119,11 @@ class DevicePlugin(api_grpc.DevicePluginServicer):
         for wake in self._watchers:
             wake.set()
         return True
+
+    def listen_at(self, endpoint: str) -> None:
+        """The socket file (in plugin_dir) the next `start` listens on."""
+        if self._server is None:
+            self.endpoint, self.socket_path = endpoint, self.plugin_dir / endpoint
 
     async def start(self) -> None:
         """Listen on the socket (replacing a stale file of the same name) and serve."""
