@@ -91,7 +91,7 @@ from e2e.fakekernel import FakeKernel  # noqa: E402
 from e2e.processes import AgentProcess  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api_pb  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc  # noqa: E402
-from passthrough.deviceplugin.server import socket_name  # noqa: E402
+from passthrough.deviceplugin.server import live_socket  # noqa: E402
 from passthrough.api.labels import NODE_LABEL  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
 from passthrough.kube.custom import Custom  # noqa: E402
@@ -339,7 +339,7 @@ class Node:
         await self.core.patch_node(self.name, {"metadata": {"labels": {GPU_MODE: value}}})
 
     def sockets(self, resources: list[str]) -> bool:
-        return all((self.plugin_dir / socket_name(r, self.plugin_dir)).is_socket() for r in resources)
+        return all(live_socket(self.plugin_dir, r) is not None for r in resources)
 
     async def serving(self, expected: dict[str, int], since: float | None = None, timeout: float = TIMEOUT) -> float:
         """Until every resource in `expected` is served with that count: in allocatable with the
@@ -387,7 +387,7 @@ async def gpu_mode_on(node: Node) -> None:
 
 
 async def bench_allocate(node: Node, calls: int) -> None:
-    path = node.plugin_dir / socket_name(POOL, node.plugin_dir)
+    path = live_socket(node.plugin_dir, POOL)
     async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
         stub = api_grpc.DevicePluginStub(channel)
         stream = stub.ListAndWatch(api_pb.Empty())
@@ -448,13 +448,12 @@ async def bench_assign(node: Node, pool: PluginStream, cycles: int) -> None:
     address = sorted(node.names)[0]
     name = node.names[address]
     resource = exclusive_resource_name(name)
-    socket = node.plugin_dir / socket_name(resource, node.plugin_dir)
     n = node.gpus
     until = node.watch.until
     up, listed, assigned, pool_down, down, back, relisted, gone = ([] for _ in range(8))
     for _ in range(cycles):
         await phase()
-        seen = asyncio.create_task(appears(socket.is_socket))
+        seen = asyncio.create_task(appears(lambda: live_socket(node.plugin_dir, resource) is not None))
         started = time.monotonic()
         await support.assign(node.api, name, NAMESPACE)
         listed.append(await pool.until(lambda v: v.get("devices") == n - 1, started, what=f"pool lists {n - 1}") - started)
@@ -463,7 +462,7 @@ async def bench_assign(node: Node, pool: PluginStream, cycles: int) -> None:
         pool_down.append(await until(lambda a: int(a.get(POOL, "0")) == n - 1, started, what=f"pool of {n - 1}") - started)
 
         await phase()
-        seen = asyncio.create_task(appears(lambda: not socket.exists()))
+        seen = asyncio.create_task(appears(lambda: live_socket(node.plugin_dir, resource) is None))
         started = time.monotonic()
         await support.assign(node.api, name, "")
         relisted.append(await pool.until(lambda v: v.get("devices") == n, started, what=f"pool lists {n}") - started)
@@ -573,7 +572,7 @@ async def bench(local: cluster.LocalCluster, root: Path, args: argparse.Namespac
         node.start_agent()
         await node.reported()
         await gpu_mode_on(node)
-        pool = PluginStream(node.plugin_dir / socket_name(POOL, node.plugin_dir))
+        pool = PluginStream(live_socket(node.plugin_dir, POOL))
         streaming = asyncio.create_task(pool.run())
         await bench_allocate(node, args.allocates)
         if kubelet_node:

@@ -45,7 +45,7 @@ from e2e import cluster, fakesysfs, kubelet, support  # noqa: E402
 from e2e.bench.bench_device_plugin import PluginStream, appears  # noqa: E402
 from e2e.fakekernel import FakeKernel  # noqa: E402
 from e2e.processes import AgentProcess, OperatorProcess  # noqa: E402
-from passthrough.deviceplugin.server import socket_name  # noqa: E402
+from passthrough.deviceplugin.server import live_socket  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
 from passthrough.kube.custom import Custom  # noqa: E402
 from passthrough.pci.naming import exclusive_resource_name  # noqa: E402
@@ -92,7 +92,7 @@ async def bench(local, root: Path, trials: int) -> None:
             await asyncio.sleep(SETTLE)
             print(f"agent RSS with plugins:   {rss(agent)}, pool of 2 GPUs served to the real kubelet")
 
-            pool = PluginStream(node.device_plugin_dir / socket_name(POOL, node.device_plugin_dir))
+            pool = PluginStream(live_socket(node.device_plugin_dir, POOL))
             reader = asyncio.create_task(pool.run())
             namespace = await support.create_namespace(api, "bench-holders")
             name = names[SECOND]

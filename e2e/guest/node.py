@@ -193,9 +193,9 @@ _ALLOCATE = """
 from pathlib import Path
 import grpc
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api, api_pb2_grpc as api_grpc
-from passthrough.deviceplugin.server import socket_name
+from passthrough.deviceplugin.server import live_socket
 plugin_dir = Path(args['plugin_dir'])
-socket = plugin_dir / socket_name(args['resource'], plugin_dir)
+socket = live_socket(plugin_dir, args['resource'])
 with grpc.insecure_channel(f'unix://{socket}') as channel:
     request = api.AllocateRequest(container_requests=[api.ContainerAllocateRequest(devices_ids=args['ids'])])
     reply = api_grpc.DevicePluginStub(channel).Allocate(request, timeout=60)
@@ -250,9 +250,9 @@ import threading, time
 from pathlib import Path
 import grpc
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api, api_pb2_grpc as api_grpc
-from passthrough.deviceplugin.server import socket_name
+from passthrough.deviceplugin.server import live_socket
 plugin_dir = Path(args['plugin_dir'])
-channel = grpc.insecure_channel(f"unix://{plugin_dir / socket_name(args['resource'], plugin_dir)}")
+channel = grpc.insecure_channel(f"unix://{live_socket(plugin_dir, args['resource'])}")
 stream = api_grpc.DevicePluginStub(channel).ListAndWatch(api.Empty())
 seen = []
 def read():

@@ -28,7 +28,7 @@ from passthrough.deviceplugin.kubeletapi.podresources_v1 import api_pb2_grpc as 
 from passthrough.deviceplugin.manager import PluginManager
 from passthrough.deviceplugin.holder import Holder
 from passthrough.deviceplugin.podresources import PodResourcesUnavailable, view
-from passthrough.deviceplugin.server import UNIX_PATH_MAX, DevicePlugin, socket_name
+from passthrough.deviceplugin.server import UNIX_PATH_MAX, DevicePlugin, live_socket, socket_name
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -255,6 +255,24 @@ def test_each_later_socket_of_a_resource_has_a_name_of_its_own_within_the_unix_l
         assert len(set(names)) == len(names) and names[0] == socket_name(resource, plugin_dir)
         assert all(n.startswith("passthrough-") and n.endswith(".sock") for n in names)
         assert all(len(os.fsencode(plugin_dir / n)) < UNIX_PATH_MAX for n in names)
+
+
+async def test_live_socket_finds_the_latest_socket_of_a_resource_and_no_other_resources(plugin_dir):
+    assert live_socket(plugin_dir, A10) is None
+    plugins = [DevicePlugin(A10, plugin_dir, [GPU0]) for _ in range(3)]
+    other = DevicePlugin("nvidia.com/GA102GL_A10-1", plugin_dir, [GPU1])  # a name like a generation's, but with "-"
+    try:
+        await other.start()
+        for generation, plugin in enumerate(plugins):
+            plugin.listen_at(socket_name(A10, plugin_dir, generation))
+            await plugin.start()
+            assert live_socket(plugin_dir, A10) == plugin.socket_path
+        await plugins[2].stop()
+        assert live_socket(plugin_dir, A10) == plugins[1].socket_path
+        assert live_socket(plugin_dir, NIC) is None and live_socket(plugin_dir, other.resource_name) == other.socket_path
+    finally:
+        for plugin in (*plugins, other):
+            await plugin.stop()
 
 
 # The manager, against the stand-in kubelet.

@@ -13,7 +13,7 @@ resource name has one `/` and no `_` in its domain. A unix socket path has at mo
 includes every `passthrough.io/pci-<40 hex>` exclusive resource.
 
 A resource served again (withdrawn and back, or its socket removed) listens on a new file,
-`-1`, `-2`, ... before `.sock`: the kubelet keys a plugin by resource and socket path, and a
+`+1`, `+2`, ... before `.sock`: the kubelet keys a plugin by resource and socket path, and a
 registration at the path of one it has not yet let go of is refused ("device plugin already
 connected"); the kubelet's clean-up of the refused one then forgets the old connection too, so
 every later registration at that path is refused until the kubelet restarts (kubelet 1.37.2,
@@ -23,6 +23,7 @@ pkg/kubelet/cm/devicemanager: `PluginConnected`, `deregisterClient`).
 from __future__ import annotations
 
 import asyncio
+import glob
 import hashlib
 import logging
 import os
@@ -53,12 +54,29 @@ Admit = Callable[[str, list[str]], Awaitable[str]]
 
 def socket_name(resource_name: str, plugin_dir: Path, generation: int = 0) -> str:
     """The socket file name of a resource in plugin_dir (see the module's docstring); from the
-    second socket of the resource on (`generation` 1, 2, ...), with `-<generation>` added."""
-    suffix = f"-{generation}" if generation else ""
-    readable = f"{SOCKET_PREFIX}{resource_name.replace('/', '_')}{suffix}.sock"
-    if len(os.fsencode(Path(plugin_dir) / readable)) < UNIX_PATH_MAX:
-        return readable
-    return f"{SOCKET_PREFIX}{hashlib.sha1(resource_name.encode()).hexdigest()[:16]}{suffix}.sock"
+    second socket of the resource on (`generation` 1, 2, ...), with `+<generation>` added (no
+    resource name has a `+`, so no other resource's name can be the same)."""
+    suffix = f"+{generation}" if generation else ""
+    readable, hashed = (f"{stem}{suffix}.sock" for stem in _stems(resource_name))
+    return readable if len(os.fsencode(Path(plugin_dir) / readable)) < UNIX_PATH_MAX else hashed
+
+
+def live_socket(plugin_dir: Path, resource_name: str) -> Path | None:
+    """The socket a resource is served on now, of those `socket_name` gives (its latest
+    generation that is a socket), or None: for tools and tests that dial a plugin directly."""
+    found: list[tuple[int, Path]] = []
+    for stem in _stems(resource_name):
+        for path in Path(plugin_dir).glob(f"{glob.escape(stem)}*.sock"):
+            generation = path.name[len(stem):-len(".sock")]
+            number = 0 if generation == "" else int(generation[1:]) if generation[1:].isdigit() and generation[0] == "+" else -1
+            if number >= 0 and path.is_socket():
+                found.append((number, path))
+    return max(found)[1] if found else None
+
+
+def _stems(resource_name: str) -> tuple[str, str]:
+    return (f"{SOCKET_PREFIX}{resource_name.replace('/', '_')}",
+            f"{SOCKET_PREFIX}{hashlib.sha1(resource_name.encode()).hexdigest()[:16]}")  # fmt: skip
 
 
 def device_message(device: PluginDevice) -> api.Device:
