@@ -88,7 +88,7 @@ from kubernetes_asyncio.client.exceptions import ApiException  # noqa: E402
 
 from e2e import cluster, fakesysfs, kubelet, support  # noqa: E402
 from e2e.fakekernel import FakeKernel  # noqa: E402
-from e2e.processes import AgentProcess  # noqa: E402
+from e2e.processes import AgentProcess, OperatorProcess  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api_pb  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc  # noqa: E402
 from passthrough.deviceplugin.server import live_socket  # noqa: E402
@@ -324,7 +324,7 @@ class Node:
 
     async def device_names(self) -> dict[str, str]:
         items = (await Custom(self.api, "nodepcidevices").list(f"{NODE_LABEL}={self.name}"))["items"]
-        return {o["status"]["attributes"]["pciAddress"]: o["metadata"]["name"] for o in items if o.get("status")}
+        return {o["status"]["attributes"]["pciAddress"]: o["metadata"]["name"] for o in items if (o.get("status") or {}).get("attributes")}
 
     async def reported(self) -> None:
         async def all_there():
@@ -556,10 +556,14 @@ async def bench(local: cluster.LocalCluster, root: Path, args: argparse.Namespac
     if reason:
         print(f"real kubelet:             not run ({reason}); figures that need it are left out")
     api = await connect(str(local.kubeconfig))
-    scheduler = kubelet_node = registrar = kernel = node = None
+    scheduler = kubelet_node = registrar = kernel = node = operator = None
     watching = streaming = None
     try:
         await support.create_namespace(api, NAMESPACE)
+        # The operator hands an assigned device out (Assigned=True): the agent serves it only then.
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+        operator = OperatorProcess(local, root / "logs" / "operator.log")
+        operator.start()
         if not reason:
             scheduler = kubelet.Scheduler(local, root / "logs").start()
             kubelet_node = await asyncio.to_thread(kubelet.KubeletNode(local, "bench-dp").start)
@@ -595,6 +599,8 @@ async def bench(local: cluster.LocalCluster, root: Path, args: argparse.Namespac
             scheduler.stop()
         if registrar:
             await registrar.stop()
+        if operator:
+            operator.stop()
         if kernel:
             kernel.stop()
         await api.close()
