@@ -92,9 +92,7 @@ from e2e.processes import AgentProcess, OperatorProcess  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api_pb  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grpc as api_grpc  # noqa: E402
 from passthrough.deviceplugin.server import live_socket  # noqa: E402
-from passthrough.api.labels import NODE_LABEL  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
-from passthrough.kube.custom import Custom  # noqa: E402
 from passthrough.pci import vfio  # noqa: E402
 from passthrough.pci.naming import exclusive_resource_name  # noqa: E402
 
@@ -322,15 +320,11 @@ class Node:
         self.agents.append(AgentProcess(self.local, log, self.name, self.host, PCI_IDS, kubelet=self.kubelet).start())
         return self.agent
 
-    async def device_names(self) -> dict[str, str]:
-        items = (await Custom(self.api, "nodepcidevices").list(f"{NODE_LABEL}={self.name}"))["items"]
-        return {o["status"]["attributes"]["pciAddress"]: o["metadata"]["name"] for o in items if (o.get("status") or {}).get("attributes")}
-
     async def reported(self) -> None:
         async def all_there():
             if not self.agent.alive():
                 raise RuntimeError(f"the agent exited:\n{self.agent.output()[-3000:]}")
-            self.names = {a: n for a, n in (await self.device_names()).items() if a in self.groups}
+            self.names = {a: n for a, n in (await support.device_names(self.api, self.name)).items() if a in self.groups}
             return len(self.names) == self.gpus
 
         await support.wait_for(all_there, TIMEOUT, 0.1, what="the agent's first report")

@@ -233,8 +233,8 @@ def operator_writes(record: dict, namespace: str = "", events: bool = False) -> 
     these: the same bodies, sizes and all, by a plain client."""
     body = {**record, "spec": {**(record.get("spec") or {}), "assignedNamespace": namespace}}
     world = World(name=record["metadata"]["name"], node_device=views.NodeDevice.of(body), devices=(),
-                            namespaces={namespace: "Active"} if namespace else {}, referencing_vms={},
-                            now=datetime.datetime.now(datetime.UTC))
+                  namespaces={namespace: "Active"} if namespace else {}, referencing_vms={},
+                  now=datetime.datetime.now(datetime.UTC))
     plan = lifecycle.decide(world)
     writes = []
     for write in plan.writes:

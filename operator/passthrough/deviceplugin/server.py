@@ -27,6 +27,7 @@ import glob
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -66,11 +67,10 @@ def live_socket(plugin_dir: Path, resource_name: str) -> Path | None:
     generation that is a socket), or None: for tools and tests that dial a plugin directly."""
     found: list[tuple[int, Path]] = []
     for stem in _stems(resource_name):
+        named = re.compile(rf"{re.escape(stem)}(?:\+(\d+))?\.sock")
         for path in Path(plugin_dir).glob(f"{glob.escape(stem)}*.sock"):
-            generation = path.name[len(stem):-len(".sock")]
-            number = 0 if generation == "" else int(generation[1:]) if generation[1:].isdigit() and generation[0] == "+" else -1
-            if number >= 0 and path.is_socket():
-                found.append((number, path))
+            if (match := named.fullmatch(path.name)) and path.is_socket():
+                found.append((int(match[1] or 0), path))
     return max(found)[1] if found else None
 
 
