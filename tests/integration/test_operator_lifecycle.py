@@ -318,9 +318,12 @@ async def test_deleting_a_node_device_waits_for_the_pcidevice_a_vm_uses(api, kin
     await put_vm(api, namespace, "holder", [f"passthrough.io/{name}"])
     await support.wait_for(lambda: _has_finalizer(npci, name), what="NodePCIDevice finalizer")
     await npci.delete(name)
-    await asyncio.sleep(2)
+    # The marker: the operator's decision on the deleted NodePCIDevice, written after its
+    # PCIDevice writes and its finalizer decision: it says what it waits for.
+    said = await wait_condition(npci, name, "Assigned", "InProgress", contains="Deleting")
+    assert f"{namespace}/holder" in said["message"], said
     held = await npci.get(name)
-    assert held is not None and held["metadata"].get("deletionTimestamp")
+    assert held is not None and held["metadata"].get("deletionTimestamp") and FINALIZER in held["metadata"]["finalizers"]
     assert (await pcidev.get(name, namespace))["metadata"].get("deletionTimestamp")
     await put_vm(api, namespace, "holder", [])
 

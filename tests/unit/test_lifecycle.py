@@ -296,6 +296,27 @@ def test_a_node_device_being_deleted_waits_for_a_pcidevice_a_vm_uses():
     assert released.devices == () and FINALIZER not in released.node_device.finalizers
 
 
+def test_a_node_device_being_deleted_says_what_it_waits_for_and_then_only_goes():
+    vms = {"team-a": ("vm-1",)}
+    settled = converge(world(node_device("team-a"), vms=vms))
+    assert settled.node_device.assigned.status == "True"
+    deleting = World(NAME, dataclasses.replace(settled.node_device, deleting=True), settled.devices,
+                     settled.namespaces, vms, NOW)
+    plan = lc.decide(deleting)
+    # Its Assigned=True would tell the admin the device is still handed out; it says why it stays.
+    assigned = npci_conditions(plan)["Assigned"]
+    assert (assigned["status"], assigned["reason"]) == ("False", "InProgress")
+    assert "Deleting" in assigned["message"] and "team-a/vm-1" in assigned["message"], assigned["message"]
+    assert [(e.type, e.reason) for e in plan.events if e.kind == "NodePCIDevice"] == [("Normal", "InProgress")]
+    held = converge(deleting)
+    assert held.node_device.assigned.reason == "InProgress" and not lc.decide(held).writes
+    # The VM lets go: the finalizers go, and nothing is written to a NodePCIDevice about to vanish.
+    released = World(NAME, held.node_device, held.devices, held.namespaces, {}, NOW)
+    assert not of(lc.decide(released), ApplyNodeDeviceStatus)
+    gone = converge(released)
+    assert gone.devices == () and FINALIZER not in gone.node_device.finalizers
+
+
 def test_an_orphaned_pcidevice_no_vm_uses_lets_go_of_its_finalizer():
     orphan = device("team-a", deleting=True, finalizers=[FINALIZER])
     [write] = lc.decide(world(None, [orphan])).writes

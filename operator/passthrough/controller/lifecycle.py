@@ -111,6 +111,10 @@ def decide(world: World) -> Plan:
         return plan
     plan.writes += _node_finalizer(npci, world, verdict, holders)
     if npci.deleting:
+        # Deleted while a VM holds a PCIDevice of it: it stays (the finalizer), and its status says
+        # why, in place of what it said before. Deleted and held by nothing: it is going now.
+        if holders.lingering:
+            plan.add(_node_status(npci, world, verdict, absence, holders))
         return plan
     plan.add(_node_status(npci, world, verdict, absence, holders))
     plan.requeue_after = _requeue_after(world, verdict, absence)
@@ -384,6 +388,8 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
     gone = _node_gone_note(npci, world, absence.node_gone_since) if not world.node_present else ""
     if verdict.misnamed:
         return _misnamed(npci, verdict.misnamed, holding)
+    if npci.deleting and held:
+        return Cond("False", "InProgress", f"Deleting: NodePCIDevice {npci.name} goes once its PCIDevices are gone; {holding}.")
     if not target:
         if held:
             return Cond("False", "InProgress", f"Unassigning: {holding}.")
