@@ -180,7 +180,8 @@ class Endpoint:
         try:
             while True:
                 try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IDLE)
+                    async with asyncio.timeout(_IDLE):
+                        head = await reader.readuntil(b"\r\n\r\n")
                 except asyncio.LimitOverrunError:
                     writer.write(_response(431, "request header fields too large\n", close=True))
                     return

@@ -194,3 +194,48 @@ async def test_a_job_whose_caller_is_cancelled_leaves_no_stray_answer_nor_unretr
         await asyncio.sleep(0.1)
         loop.set_exception_handler(None)
     assert unretrieved == []
+
+
+async def test_a_cancellation_that_comes_with_the_childs_death_is_not_lost(tmp_path):
+    # SIGTERM goes to the agent's process group: the child dies of it and the agent cancels its
+    # scan, within a few turns of the loop of each other. The cancellation must win, whichever
+    # turn it comes in. When it was lost, the scan took the child's death for its answer and
+    # went on, and the agent never exited (seen in CI: asyncio.wait_for on Python 3.11).
+    host = gpu_node(tmp_path)
+    deaths: list[asyncio.Future] = []
+    children = []
+
+    class Dying(Binder):
+        async def _answer(self, worker):
+            if worker is not self._worker:  # the child's hello
+                children.append(worker)
+                return await super()._answer(worker)
+            deaths.append(asyncio.get_running_loop().create_future())
+            return await deaths[-1]  # the job's answer: the test decides when the child dies
+
+    binder = Dying(deadline=30)
+    outcomes = []
+    try:
+        for turns in range(8):
+            job = asyncio.create_task(binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2))
+            while len(deaths) <= turns:  # a fresh child started and took the job
+                await asyncio.sleep(0.01)
+            deaths[-1].set_exception(BindError("BindFailed", "the binder process exited (code -15) before it answered"))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if not job.cancel():
+                outcomes.append("over before the cancellation")  # the scan's next await gets it
+                continue
+            try:
+                await job
+                outcomes.append("lost the cancellation")
+            except asyncio.CancelledError:
+                outcomes.append("cancelled")
+            except BindError:
+                outcomes.append("lost the cancellation, went on with the death for its answer")
+    finally:
+        await binder.close()  # kills the children, which (unlike one blocked in a write) die at once
+        for child in children:
+            await child.wait()
+    assert "cancelled" in outcomes and "over before the cancellation" in outcomes, outcomes  # both sides of the race
+    assert set(outcomes) == {"cancelled", "over before the cancellation"}, outcomes

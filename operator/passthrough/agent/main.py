@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -79,17 +78,34 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
         if args.hotplug:
             tasks.append(asyncio.create_task(supervised("hotplug listener", lambda: uevent.listen(agent.trigger)), name="uevents"))
         stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([tasks[0], stopper], return_when=asyncio.FIRST_COMPLETED)
-        for task in [*tasks, stopper]:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task  # re-raises AgentError from a failed start
-        return 0
+        await asyncio.wait([tasks[0], stopper], return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        return 0 if await stop_tasks(tasks) else 1
     finally:
         if endpoint is not None:
             await endpoint.cleanup()
         await api.close()
+
+
+# Seconds the agent's tasks may take to end once cancelled (their `finally`: stopping the device
+# plugins, the binder's children, the last Events), well inside a pod's 30 s of grace.
+STOP_GRACE = 10.0
+
+
+async def stop_tasks(tasks: list[asyncio.Task], grace: float = STOP_GRACE) -> bool:
+    """Cancel the tasks and wait at most `grace` seconds for them; False, said in the log, if one
+    is still running then: a task that lost its cancellation must not keep the agent from
+    exiting unnoticed. Re-raises AgentError from a task that failed to start."""
+    for task in tasks:
+        task.cancel()
+    done, running = await asyncio.wait(tasks, timeout=grace)
+    if running:
+        log.error("%s still running %gs after it was told to stop; exiting without waiting for it",
+                  ", ".join(sorted(t.get_name() for t in running)), grace)  # fmt: skip
+    for task in tasks:
+        if task in done and not task.cancelled():
+            task.result()  # re-raises AgentError from a failed start
+    return not running
 
 
 async def supervised(what: str, start: Callable[[], Awaitable[None]], backoff: float = 1.0) -> None:

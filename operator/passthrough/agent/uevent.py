@@ -101,7 +101,8 @@ async def listen(on_event: Callable[[dict[str, str]], None], debounce: float = Q
             quiet_until, give_up = first + debounce, first + cap
             while (wait := min(quiet_until, give_up) - loop.time()) > 0:
                 try:
-                    data = await asyncio.wait_for(loop.sock_recv(sock, 65536), wait)
+                    async with asyncio.timeout(wait):
+                        data = await loop.sock_recv(sock, 65536)
                 except TimeoutError:
                     break
                 except OSError as exc:

@@ -138,7 +138,8 @@ class EventRecorder:
     async def close(self, timeout: float = 5) -> None:
         """Drain for at most `timeout` seconds (the API server may be gone), then stop posting."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.drain(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.drain()
         self._pending.clear()
         for task in list(self._posters):
             task.cancel()

@@ -136,7 +136,11 @@ class Binder:
             worker.stdin.write(json.dumps(job).encode() + b"\n")
             reply = asyncio.ensure_future(self._answer(worker))
             try:
-                answer = await asyncio.wait_for(asyncio.shield(reply), self.deadline)
+                # asyncio.timeout, never wait_for: on Python 3.11 wait_for loses a cancellation
+                # that comes with the answer (SIGTERM reaches this child and the agent at once:
+                # the child dies, the cancelled scan went on as if the answer were all).
+                async with asyncio.timeout(self.deadline):
+                    answer = await asyncio.shield(reply)
             except TimeoutError:
                 late = Overdue(op, group, tuple(members), time.monotonic())
                 self.overdue[group] = late
