@@ -94,13 +94,14 @@ STOP_GRACE = 10.0
 
 async def stop_tasks(tasks: list[asyncio.Task], grace: float = STOP_GRACE) -> bool:
     """Cancel the tasks and wait at most `grace` seconds for them; False, said in the log, if one
-    is still running then: a task that lost its cancellation must not keep the agent from
-    exiting unnoticed. Re-raises AgentError from a task that failed to start."""
+    is still running then: a task that lost its cancellation must not hold the agent up
+    unnoticed (asyncio.run then cancels it once more on the way out). Re-raises AgentError from
+    a task that failed to start."""
     for task in tasks:
         task.cancel()
     done, running = await asyncio.wait(tasks, timeout=grace)
     if running:
-        log.error("%s still running %gs after it was told to stop; exiting without waiting for it",
+        log.error("%s still running %gs after it was told to stop; cancelling it once more",
                   ", ".join(sorted(t.get_name() for t in running)), grace)  # fmt: skip
     for task in tasks:
         if task in done and not task.cancelled():
