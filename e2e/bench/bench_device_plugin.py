@@ -192,8 +192,9 @@ class Timeline:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; now {self.value}")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), remaining)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self.changed.wait()
 
 
 class NodeWatch(Timeline):

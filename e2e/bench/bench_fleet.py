@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import resource
 import sys
@@ -150,10 +151,9 @@ class Reported:
             fleet.check()
             if time.monotonic() > deadline:
                 raise AssertionError(f"{len(self.names)} of {goal} NodePCIDevices reported after {timeout:.0f} s")
-            try:
-                await asyncio.wait_for(self.reached.wait(), 1)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1):
+                    await self.reached.wait()
 
 
 class Meter:

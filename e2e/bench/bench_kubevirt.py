@@ -80,7 +80,8 @@ class WatchedKubeVirt:
                     return time.monotonic()
                 await self.mirror.changed.wait()
 
-        return await asyncio.wait_for(arrival(), timeout)
+        async with asyncio.timeout(timeout):
+            return await arrival()
 
 
 def pci_list(kv: dict) -> list[dict]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import datetime
 import os
@@ -162,10 +163,9 @@ class Watched:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-            try:
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 1))
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(remaining, 1)):
+                    await self._changed.wait()
         return time.monotonic()
 
     async def close(self) -> None:
