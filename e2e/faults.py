@@ -223,9 +223,7 @@ class Rig:
             current = self.assignments.get(name, "")
             await self.assign(name, rng.choice([ns for ns in self.tenants if ns != current] + ([""] if current else [])))
             writes += 1
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(rng.uniform(*pause)):
-                    await stop.wait()
+            await support.wait_event(stop, rng.uniform(*pause))
         return writes
 
     async def wait_ready(self, node: str, names: set[str], timeout: float = 60) -> None:

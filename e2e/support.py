@@ -273,6 +273,15 @@ async def wait_for(
         await asyncio.sleep(interval)
 
 
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait at most `timeout` seconds for `event`; whether it is set. (`asyncio.timeout`: on
+    Python 3.11 `asyncio.wait_for` loses a cancellation that comes with the result.)"""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    return event.is_set()
+
+
 # --- For the benchmarks ---------------------------------------------------------------------
 
 

@@ -192,9 +192,7 @@ class Timeline:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; now {self.value}")
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await self.changed.wait()
+            await support.wait_event(self.changed, remaining)
 
 
 class NodeWatch(Timeline):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import resource
 import sys
@@ -151,9 +150,7 @@ class Reported:
             fleet.check()
             if time.monotonic() > deadline:
                 raise AssertionError(f"{len(self.names)} of {goal} NodePCIDevices reported after {timeout:.0f} s")
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1):
-                    await self.reached.wait()
+            await support.wait_event(self.reached, 1)
 
 
 class Meter:

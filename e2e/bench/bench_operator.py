@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import copy
 import datetime
 import os
@@ -163,9 +162,7 @@ class Watched:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(remaining, 1)):
-                    await self._changed.wait()
+            await support.wait_event(self._changed, min(remaining, 1))
         return time.monotonic()
 
     async def close(self) -> None:

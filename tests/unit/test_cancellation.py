@@ -14,6 +14,8 @@ import asyncio
 import logging
 from pathlib import Path
 
+import pytest
+
 from passthrough.agent.main import AgentError, stop_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,9 +73,5 @@ async def test_a_task_that_failed_to_start_says_why() -> None:
 
     task = asyncio.create_task(fails(), name="agent")
     await asyncio.wait([task])
-    try:
+    with pytest.raises(AgentError, match="CRDs"):
         await stop_tasks([task], grace=1)
-    except AgentError as exc:
-        assert "CRDs" in str(exc)
-    else:
-        raise AssertionError("AgentError not re-raised")
