@@ -183,7 +183,7 @@ async def test_odd_node_devices_are_judged_one_by_one_and_the_good_assignment_st
                            "eligible": True, "conditions": [ready(message="\u2603")]}, ns, ("Assigned",), ""),
         "no-status": (node, None, ns, ("DeviceNotReady",), ""),
         "namespace-nobody-has": (node, {"attributes": attributes("0000:46:00.0", node), "eligible": True,
-                                        "conditions": [ready()]}, f"nowhere-{u}", ("Available",), f"nowhere-{u}"),
+                                        "conditions": [ready()]}, f"nowhere-{u}", ("NamespaceNotFound",), f"nowhere-{u}"),
         # The good device's IOMMU group, handed to another namespace: this one waits, the good one stays.
         "same-group-elsewhere": (node, {"attributes": attributes("0000:3b:00.1", node, iommuGroup=scene.group,
                                                                 deviceID="1aef", **{"class": "040300"}),

@@ -187,7 +187,7 @@ async def test_a_namespace_created_later_completes_the_assignment(api, kinds, gp
     _, name = gpu_device
     later = f"late-{unique}"
     await support.assign(api, name, later)
-    await wait_condition(npci, name, "Assigned", "Available", contains=f"Namespace {later} does not exist")
+    await wait_condition(npci, name, "Assigned", "NamespaceNotFound", contains=f"Namespace {later} does not exist")
     core = client.CoreV1Api(api)
     await support.create_namespace(api, later)
     try:
@@ -235,7 +235,7 @@ async def test_after_the_grace_period_the_pcidevice_is_removed_and_comes_back_wi
     await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     await support.report_device(api, node, support.gpu("0000:3b:00.0"), missing=True)
-    got = await wait_condition(npci, name, "Assigned", "Available", timeout=30, contains="grace period")  # 4s here
+    got = await wait_condition(npci, name, "Assigned", "DeviceMissing", timeout=30, contains="grace period")  # 4s here
     assert "was removed" in got["message"]
     assert await pcidev.get(name, namespace) is None
     assert (await npci.get(name))["spec"]["assignedNamespace"] == namespace

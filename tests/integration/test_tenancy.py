@@ -561,9 +561,9 @@ async def test_with_confirm_new_namespaces_a_namespace_a_tenant_makes_after_the_
     try:
         answer = people.device_admin.kubectl("patch", "npci", name, "--type=merge", "-p", assignment(team))
         assert answer.returncode == 0, answer.stderr
-        await support.wait_for(lambda: assigned("Available", f"Namespace {team} does not exist"), 20,
+        await support.wait_for(lambda: assigned("NamespaceNotFound", f"Namespace {team} does not exist"), 20,
                                what="the assignment to a namespace nobody has")
-        got = await support.wait_for(lambda: assigned("Available", "devices.confirmNewNamespaces"), 20,
+        got = await support.wait_for(lambda: assigned("NamespaceNotFound", "devices.confirmNewNamespaces"), 20,
                                      what="the note that a tenant's namespace will wait")
         _wait(lambda: creator.can_i("create", "namespaces"), "RBAC to let the tenant create namespaces")
         answer = creator.kubectl("create", "namespace", team)

@@ -85,7 +85,8 @@ def test_discover_refuses_a_sysfs_root_that_is_not_there(tmp_path, capsys):
 
 def test_resource_names_are_printed_in_argument_order(capsys):
     code, out, err = run(capsys, "resource-name", "--pci-ids", IDS_2025, "10de:2342", "10DE:2236", "10de:1f08")
-    assert code == 0 and err == ""
+    assert code == 0
+    assert err == f"passthrough resource-name: names from pci.ids {IDS_2025} (version 2025.07.11, dated 2025-07-11 03:15:02)\n"
     assert out.splitlines() == [
         "nvidia.com/GH100_GH200_120GB___480GB",
         "nvidia.com/GA102GL_A10",
@@ -96,6 +97,18 @@ def test_resource_names_are_printed_in_argument_order(capsys):
 def test_an_unknown_device_gets_its_hex_id(capsys):
     _, out, _ = run(capsys, "resource-name", "--pci-ids", IDS_2025, "10de:ffff")
     assert out == "nvidia.com/ffff\n"
+
+
+def test_a_device_unknown_to_an_older_edition_is_warned_about_naming_the_edition(capsys):
+    # 10de:2bb5 came into pci.ids after 2023: that edition names it by its hex ID, and says so.
+    older = IDS_2025.replace("2025-07-11", "2023-04-10")
+    code, out, err = run(capsys, "resource-name", "--pci-ids", older, "10de:2236", "10de:2bb5")
+    assert code == 0 and out == "nvidia.com/GA102GL_A10\nnvidia.com/2bb5\n"
+    edition = f"pci.ids {older} (version 2023.04.10, dated 2023-04-10 20:08:02)"
+    [said, warning] = err.splitlines()
+    assert said == f"passthrough resource-name: names from {edition}"
+    assert warning.startswith(f"warning: 10de:2bb5 is not in {edition}, so its name is its device ID; a newer pci.ids")
+    assert "10de:2236" not in err
 
 
 @pytest.mark.parametrize("bad", ["10de:22", "nvidia", "10de-2236", "10de:2236:0", "g0de:2236"])

@@ -160,7 +160,7 @@ def test_a_missing_namespace_is_named_and_nothing_is_created():
     plan = lc.decide(world(node_device("team-c")))
     assert of(plan, ApplyDevice) == []
     assigned = npci_conditions(plan)["Assigned"]
-    assert (assigned["status"], assigned["reason"]) == ("False", "Available")
+    assert (assigned["status"], assigned["reason"]) == ("False", "NamespaceNotFound")
     assert "Namespace team-c does not exist" in assigned["message"]
     assert any(e.type == "Warning" for e in plan.events)
 
@@ -383,7 +383,7 @@ def test_an_assignment_held_back_is_a_warning_event_and_progress_is_normal():
     assert assigned_event(recreated) == ("Warning", "NamespaceRecreated")
     unlisted = World(NAME, node_device("team-a"), (), {"team-a": "Active"}, {}, NOW, allow_list_problem="the config is invalid")
     assert assigned_event(unlisted) == ("Warning", "AllowListNotApplied")
-    assert assigned_event(world(node_device("team-a"), namespaces={})) == ("Warning", "Available")  # no such namespace
+    assert assigned_event(world(node_device("team-a"), namespaces={})) == ("Warning", "NamespaceNotFound")  # no such namespace
     # Handing out, unassigning and waiting for the previous PCIDevice to go are news, not trouble.
     assert assigned_event(world(node_device("team-a"))) == ("Normal", "Assigned")
     was = Cond("True", "Assigned", "Assigned to namespace team-a", "2026-11-29T11:00:00Z")
@@ -714,7 +714,7 @@ def test_the_pcidevice_says_which_pods_hold_the_device():
     assert lc.decide(settle(ended)).writes == []
     # As the API server gives it back without the empty list: still nothing to write.
     bare = {k: v for k, v in write.body["status"].items() if k != "holders"}
-    quiet = dataclasses.replace(ended, devices=(dataclasses.replace(settle(ended).devices[0], status=bare),))
+    quiet = dataclasses.replace(settle(ended), devices=(dataclasses.replace(settle(ended).devices[0], status=bare),))
     assert lc.decide(quiet).writes == []
     assert views.NodeDevice.of({"metadata": {"name": NAME}, "status": {"holders": [
         {"namespace": "team-b", "pod": "p", "resource": "r"}, "junk"]}}).holders == (("team-b", "p", "r"),)
@@ -758,3 +758,40 @@ def test_reassigning_back_while_the_old_namespaces_vm_holds_it_waits_for_that_vm
     released = converge(World(NAME, back.node_device, back.devices, back.namespaces, {}, NOW))
     assert [(d.namespace, d.deleting) for d in released.devices] == [("team-a", False)]
     assert released.node_device.assigned.reason == "Assigned"
+
+
+def test_each_assignment_held_back_has_a_reason_of_its_own():
+    def assigned(w: World) -> tuple[str, str]:
+        found = npci_conditions(lc.decide(w))["Assigned"]
+        return found["reason"], found["message"]
+
+    assert assigned(world(node_device("team-c"))) == (
+        "NamespaceNotFound", "Namespace team-c does not exist; create it or clear spec.assignedNamespace.")
+    assert assigned(world(node_device("kube-system")))[0] == "SystemNamespace"
+    assert assigned(world(node_device("team-a"), namespaces={"team-a": "Terminating"}))[0] == "NamespaceTerminating"
+    lost = Cond("False", "NotFound", "gone", "2026-11-29T11:00:00Z")
+    missing = world(dataclasses.replace(node_device("team-a", ready=lost), missing_since="2026-11-29T11:00:00Z"))
+    assert assigned(missing)[0] == "DeviceMissing"
+    # Unassigned is the one Available: nothing is wrong.
+    assert assigned(world(node_device("")))[0] == "Available"
+
+
+def test_attached_names_the_pods_that_hold_the_device():
+    launcher = ("team-a", "virt-launcher-vm1-x2b4c", RESOURCE)
+    plain = ("team-a", "cuda", RESOURCE)
+    # A plain pod holds it, no VM lists it: both objects say so, not "No VirtualMachine uses it".
+    settled = converge(world(dataclasses.replace(node_device("team-a"), holders=(plain,))))
+    assert (settled.node_device.attached.status, settled.node_device.attached.reason) == ("True", "HeldByPod")
+    assert settled.node_device.attached.message == "Held by pod team-a/cuda (no VirtualMachine lists it)."
+    [current] = settled.devices
+    pcidev = {c["type"]: c for c in current.status["conditions"]}["Attached"]
+    assert (pcidev["status"], pcidev["reason"], pcidev["message"]) == (
+        "True", "HeldByPod", "Held by pod team-a/cuda (no VirtualMachine lists it).")
+    # A VM lists it and its launcher pod holds it: the VM first, then its pod.
+    settled = converge(world(dataclasses.replace(node_device("team-a"), holders=(launcher,)), vms={"team-a": ("vm1",)}))
+    assert (settled.node_device.attached.reason, settled.node_device.attached.message) == (
+        "AttachedToVirtualMachine", "Used by VirtualMachine team-a/vm1; held by virt-launcher pod team-a/virt-launcher-vm1-x2b4c.")
+    # Nothing holds it: Available, in words that name all three.
+    settled = converge(world(node_device("team-a")))
+    assert (settled.node_device.attached.reason, settled.node_device.attached.message) == (
+        "Available", "No VirtualMachine, claim or pod uses this device.")

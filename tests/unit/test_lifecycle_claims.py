@@ -160,8 +160,25 @@ def test_in_dra_mode_an_unused_device_points_the_tenant_to_its_namespaces_device
     dra = dataclasses.replace(world(node_device("team-a")), device_class="passthrough-team-a")
     [pcidev] = converge(dra).devices
     assert (attached(pcidev)["reason"], attached(pcidev)["message"]) == ("Available", (
-        "No claim uses it; claim it with a ResourceClaim request of deviceClassName passthrough-team-a, named in a VM's "
-        "gpus or hostDevices (claimName)."))  # fmt: skip
+        "No VirtualMachine, claim or pod uses this device; claim it with a ResourceClaim request of deviceClassName "
+        "passthrough-team-a, named in a VM's gpus or hostDevices (claimName)."))  # fmt: skip
     # Without DRA mode, the device plugins' way: the VM's hostDevices.
     [pcidev] = converge(world(node_device("team-a"))).devices
     assert "set deviceName passthrough.io/" in attached(pcidev)["message"]
+
+
+def test_in_dra_mode_assigned_and_its_event_name_the_device_class_not_a_device_name():
+    dra = dataclasses.replace(world(node_device("team-a")), device_class="passthrough-team-a")
+    plan = lc.decide(dra)
+    assigned = npci_conditions(plan)["Assigned"]
+    assert assigned["reason"] == "Assigned"
+    assert assigned["message"].endswith("; claim it with a ResourceClaim request of deviceClassName passthrough-team-a, "
+                                        "named in a VM's gpus or hostDevices (claimName).")  # fmt: skip
+    assert "deviceName passthrough.io/" not in assigned["message"]
+    [event] = [e for e in plan.events if e.kind == "PCIDevice" and e.reason == "Assigned"]
+    assert "deviceClassName passthrough-team-a" in event.message and "deviceName passthrough.io/" not in event.message
+    # Device-plugin mode: the VM's hostDevices, in both.
+    plan = lc.decide(world(node_device("team-a")))
+    assert "set deviceName passthrough.io/" in npci_conditions(plan)["Assigned"]["message"]
+    [event] = [e for e in plan.events if e.kind == "PCIDevice" and e.reason == "Assigned"]
+    assert "set deviceName passthrough.io/" in event.message

@@ -165,7 +165,7 @@ def _target_device(npci: NodeDevice, world: World, verdict: Verdict, absence: Ab
     status = _device_status(npci, current, users, world.now, holders.held_elsewhere, gone, world.device_class)
     if current is None or _status_differs(current.status, status):
         plan.writes.append(ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status}))
-        plan.events.extend(_device_events(npci, current, status, target))
+        plan.events.extend(_device_events(npci, current, status, target, world.device_class))
     return plan
 
 
@@ -218,7 +218,7 @@ def _node_status(npci: NodeDevice, world: World, verdict: Verdict, absence: Abse
     assigned = _assigned_condition(npci, world, verdict, absence, holders)
     waiting = Users.of(world, target) if verdict.will_exist and holders.held_elsewhere else Users(target)
     users = [found for ns, found in sorted(users_by_namespace(world, verdict, holders).items()) if not (waiting and ns == target)]
-    attached = _attached_condition(users, waiting, pool_claims(npci, world))
+    attached = _attached_condition(users, waiting, pool_claims(npci, world), npci.holders)
     # Recorded once handed out; kept while the namespace is away or was made anew; cleared with
     # the assignment (the admin assigning again is what gives the device to a new namespace).
     ref = ("", "") if not target else ((target, verdict.target_uid) if verdict.will_exist and verdict.target_uid else npci.handed_to)
@@ -317,14 +317,9 @@ def _device_status(
                       f"Still held by {holders}, in the device's previous namespace; a VM or claim here that asks for "
                       f"{resource} waits until {until}.")
         )  # fmt: skip
-    elif users:
-        reason, used = _in_use([users])
-        attached = Cond("True", reason, f"{used}.")
-    elif device_class:  # DRA mode: KubeVirt's allow-list has no entry for it, a claim is the way
-        attached = Cond("False", "Available", f"No claim uses it; claim it with a ResourceClaim request of deviceClassName "
-                                              f"{device_class}, named in a VM's gpus or hostDevices (claimName).")
     else:
-        attached = Cond("False", "Available", f"No VirtualMachine uses it; set deviceName {resource} in a VM's hostDevices.")
+        pods = tuple(h for h in npci.holders if h[0] == users.namespace)
+        attached = _attached_condition([users], pods=pods, idle=f"{how_to_use(resource, device_class)}.")
     return {
         "attributes": dict(npci.attributes),
         "nodeName": npci.node_name,
@@ -361,13 +356,15 @@ def _status_differs(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     return False
 
 
-def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, Any], namespace: str) -> list[Event]:
+def _device_events(npci: NodeDevice, current: Device | None, status: dict[str, Any], namespace: str,
+                   device_class: str = "") -> list[Event]:
     events = []
     old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
     new = {c["type"]: Cond.of(c) for c in status["conditions"]}
     if current is None:
         events.append(Event(PCI_DEVICE.kind, namespace, "Normal", "Assigned",
-                            f"Device {npci.attributes.get('pciAddress', '?')} of node {npci.node_name} assigned to this namespace; use deviceName {status['resourceName']}."))
+                            f"Device {npci.attributes.get('pciAddress', '?')} of node {npci.node_name} assigned to this namespace; "
+                            f"{how_to_use(status['resourceName'], device_class)}."))
     elif not new["Ready"].same(old.get("Ready")):
         ready = new["Ready"]
         events.append(Event(PCI_DEVICE.kind, namespace, "Normal" if ready.status == "True" else "Warning", ready.reason, ready.message))
@@ -397,7 +394,7 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
             return Cond("False", "NodeGone", f"{gone}. Not assigned.")
         return Cond("False", "Available", "Not assigned; set spec.assignedNamespace to give this device to a namespace.")
     if target in SYSTEM_NAMESPACES:
-        return Cond("False", "Available", f"{target} is a system namespace and cannot receive devices; assign the device to a tenant namespace.")
+        return Cond("False", "SystemNamespace", f"{target} is a system namespace and cannot receive devices; assign the device to a tenant namespace.")
     if verdict.kubevirt_resource:
         model = model_of(npci).upper()
         return Cond("False", "ServedByKubeVirt",
@@ -409,13 +406,13 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
     if phase is None:
         later = (" With devices.confirmNewNamespaces set, a namespace created after the assignment gets the device only "
                  "once a device admin confirms it." if world.confirm_new_namespaces else "")  # fmt: skip
-        return Cond("False", "Available", f"Namespace {target} does not exist; create it or clear spec.assignedNamespace.{later}")
+        return Cond("False", "NamespaceNotFound", f"Namespace {target} does not exist; create it or clear spec.assignedNamespace.{later}")
     if phase != "Active":
-        return Cond("False", "Available",
+        return Cond("False", "NamespaceTerminating",
                     f"Namespace {target} is being deleted and its PCIDevice goes with it; create the namespace again or change spec.assignedNamespace.")
     if absence.expired:
         since = f" since {timestamp(absence.missing_since)}" if absence.missing_since else ""
-        return Cond("False", "Available",
+        return Cond("False", "DeviceMissing",
                     f"The device has been missing from node {npci.node_name}{since}, longer than the {format_duration(world.grace)} grace period, "
                     f"so its PCIDevice in {target} was removed; it is assigned again when the device returns.")
     if verdict.recreated:
@@ -459,7 +456,7 @@ def _assigned_condition(npci: NodeDevice, world: World, verdict: Verdict, absenc
         return Cond("False", "AllowListNotApplied",
                     f"PCIDevice {target}/{npci.name} exists, but KubeVirt's permittedHostDevices lacks {resource}: "
                     f"{world.allow_list_problem}. VMs listing it get no pod until that is fixed.")
-    message = f"Assigned to namespace {target} as PCIDevice {target}/{npci.name}; VMs there use deviceName {resource}."
+    message = f"Assigned to namespace {target} as PCIDevice {target}/{npci.name}; {how_to_use(resource, world.device_class)}."
     if holding:
         message += f" Meanwhile {holding}."
     return Cond("True", "Assigned", message)
@@ -488,18 +485,44 @@ def _misnamed(npci: NodeDevice, expected: str, holding: str) -> Cond:
 
 def _attached_condition(
     users: list[Users], waiting: Users | None = None, pool: tuple[Allocation, ...] = (),
+    pods: tuple[tuple[str, str, str], ...] = (), idle: str = "",
 ) -> Cond:  # fmt: skip
-    """The NodePCIDevice's Attached: `users` of each namespace; `waiting`: those of the target
-    namespace that want the device but wait for the users holding it elsewhere; `pool`: the claims
-    of any namespace allocated it while it is in the pool (`verdict.pool_claims`)."""
+    """Attached, of the NodePCIDevice and (with one namespace's `users`) of a PCIDevice: `users` of
+    each namespace; `waiting`: those of the target namespace that want the device but wait for the
+    users holding it elsewhere; `pool`: the claims of any namespace allocated it while it is in the
+    pool (`verdict.pool_claims`); `pods`: status.holders, the pods its agent reports holding it
+    (device-plugin mode: a VM's virt-launcher pod, or a plain pod that asks for the resource);
+    `idle`: the advice that ends the sentence when nothing uses it."""
     if pool:
         users = [*users, *(Users(c.namespace, claims=(c,)) for c in pool)]
+    held = f"held by {_pod_list(pods)}" if pods else ""
     if not any(users):
-        return Cond("False", "Available", "No VirtualMachine uses this device.")
+        if pods:
+            return Cond("True", "HeldByPod", f"{held[0].upper()}{held[1:]} (no VirtualMachine lists it).")
+        return Cond("False", "Available", f"No VirtualMachine, claim or pod uses this device{'; ' + idle if idle else '.'}")
     reason, used = _in_use(users)
+    used += f"; {held}" if held else ""
     if waiting:
         return Cond("True", reason, f"{used}; {waiting.names()} waits for it to be released.")
     return Cond("True", reason, f"{used}.")
+
+
+LAUNCHER_POD_PREFIX = "virt-launcher-"  # KubeVirt's generateName for a VM's pod
+
+
+def _pod_list(pods: tuple[tuple[str, str, str], ...]) -> str:
+    """`virt-launcher pod team-a/virt-launcher-vm1-x2b4c`, `pod team-a/cuda` (each once, in order)."""
+    names = sorted({(ns, pod) for ns, pod, _ in pods})
+    return ", ".join(f"{'virt-launcher pod' if pod.startswith(LAUNCHER_POD_PREFIX) else 'pod'} {ns}/{pod}" for ns, pod in names)
+
+
+def how_to_use(resource: str, device_class: str) -> str:
+    """How a tenant uses a device handed to its namespace, in the node's mode: in DRA mode KubeVirt's
+    allow-list has no entry for it and a claim of the namespace's DeviceClass is the way."""
+    if device_class:
+        return (f"claim it with a ResourceClaim request of deviceClassName {device_class}, named in a VM's gpus or "
+                "hostDevices (claimName)")  # fmt: skip
+    return f"set deviceName {resource} in a VM's hostDevices"
 
 
 def _in_use(users: list[Users]) -> tuple[str, str]:

@@ -53,8 +53,41 @@ def resource_name(args: argparse.Namespace) -> int:
     pci_ids = _load_pci_ids("resource-name", args.pci_ids)
     if pci_ids is None:
         return EXIT_USAGE
+    # Which database made the names, and which IDs it does not know: a name follows the edition
+    # (a newer pci.ids may name a card a hex ID stood for), so an allow-list written from these
+    # names must be written from the edition the nodes have.
+    if pci_ids.path is not None:
+        print(f"passthrough resource-name: names from {describe_database(pci_ids)}", file=sys.stderr)
+    for vendor, device in wanted:
+        if pci_ids.path is not None and pci_ids.device_name(vendor, device) is None:
+            print(f"warning: {vendor}:{device} is not in {describe_database(pci_ids)}, so its name is its device ID; "
+                  "a newer pci.ids may name it (and the nodes' agents use their own pci.ids): pass --pci-ids with the "
+                  "nodes' file, or read the name a node reports (passthrough discover on it, or kubectl get npci)",
+                  file=sys.stderr)  # fmt: skip
     _write("".join(naming.gpu_resource_name(v, d, pci_ids) + "\n" for v, d in wanted))
     return 0
+
+
+def describe_database(pci_ids: PciIds) -> str:
+    """`pci.ids /usr/share/misc/pci.ids (version 2025.07.11, dated 2025-07-11 03:15:02)`."""
+    facts = [f"version {pci_ids.edition}" if pci_ids.edition else "no version line"]
+    if date := _header_date(pci_ids.path):
+        facts.append(f"dated {date}")
+    return f"pci.ids {pci_ids.path} ({', '.join(facts)})"
+
+
+_DATE = re.compile(rb"^#\s*Date:\s*(\S[^\r\n]*?)\s*$", re.M)
+
+
+def _header_date(path: Path | None) -> str:
+    """The Date: of the file's header comment (its first lines), "" when there is none."""
+    try:
+        with open(path, "rb") as f:  # type: ignore[arg-type]
+            head = f.read(4096)
+    except (OSError, TypeError):
+        return ""
+    found = _DATE.search(head)
+    return found.group(1).decode("ascii", "replace") if found else ""
 
 
 def render_table(found: Discovery, include_unreported: bool = False) -> str:
