@@ -10,7 +10,8 @@ from pathlib import Path
 
 from passthrough import __version__
 
-# Exit codes: 0 ok, 1 a runtime failure (cluster unreachable, ...), 2 bad usage or input.
+# Exit codes: 0 ok, 1 a runtime failure (cluster unreachable, ...), 2 bad usage or input, 3 (discover --check)
+# the node is not ready for passthrough.
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -204,12 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("binder", help="bind and give back devices for an agent that may not write sysfs itself")
     p.add_argument("--listen", required=True, metavar="FILE", help="the unix socket the agent's --binder-socket names")
+    # Its own view of the host, never a job's: what it moves is judged there by discovery's rules.
+    _add_host_roots(p)
+    p.add_argument("--dev-root", default="/dev", metavar="DIR", help="where /dev/vfio is found (default /dev)")
     p.set_defaults(func=_lazy("passthrough.pci.binder", "run"))
 
     p = sub.add_parser("discover", help="print what the agent would report on this host (reads sysfs only)")
     _add_host_roots(p)
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     p.add_argument("--all", action="store_true", help="also list the devices the agent leaves out (bridges, ...)")
+    p.add_argument("--check", action="store_true",
+                   help="preflight: say whether this node is ready for passthrough (IOMMU, vfio-pci, a device that can "
+                   "be passed through) and exit 0 when it is, 3 when it is not")  # fmt: skip
     p.set_defaults(func=_lazy("passthrough.pci.commands", "discover"))
 
     p = sub.add_parser("resource-name", help="print the resource name of each VENDOR:DEVICE")

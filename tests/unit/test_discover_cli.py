@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e import fakesysfs
 from e2e.fakesysfs import gpu_node, storage_node
 from passthrough import cli
 from passthrough.pci import pciids
@@ -133,3 +134,41 @@ def test_discover_names_the_damaged_lines_of_a_database_it_still_uses(tmp_path, 
     assert code == 0
     assert json.loads(out)["devices"][0]["resourceName"] == "nvidia.com/GA102GL_A10"
     assert "damaged lines" in err and "zzzz" in err and "reinstall the hwdata" in err
+
+
+def test_discover_check_passes_a_ready_node_with_exit_0(tmp_path, capsys):
+    code, out, err = run(capsys, *discover_args(gpu_node(tmp_path), "--check"))
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        "IOMMU     ok    enabled",
+        "vfio-pci  ok    loaded",
+        "devices   ok    4 of 4 can be passed through: 0000:3b:00.0 (GA102GL [A10]), 0000:3b:00.1 (GA102 High Definition "
+        "Audio Controller), 0000:af:00.0 (GA102GL [A10]), 0000:af:00.1 (GA102 High Definition Audio Controller)",
+        "ready for passthrough",
+    ]
+
+
+def test_discover_check_fails_a_node_without_vfio_pci_or_iommu_with_exit_3_saying_what_to_do(tmp_path, capsys):
+    code, out, _ = run(capsys, *discover_args(gpu_node(tmp_path / "novfio", vfio=False), "--check"))
+    assert code == 3
+    lines = out.splitlines()
+    assert lines[1] == "vfio-pci  FAIL  not loaded: load it (modprobe vfio-pci) and keep it loaded at boot (vfio-pci in /etc/modules-load.d/)"
+    assert lines[-1] == "not ready for passthrough (exit 3)"
+    # Without an IOMMU, no device can be passed through either; JSON says the same for a script.
+    host = fakesysfs.FakeHost(tmp_path / "noiommu", iommu=False)
+    host.add_device("0000:3b:00.0", "10de", "2236", "030200", driver="nvidia")
+    code, out, _ = run(capsys, "discover", "--sysfs-root", str(host.sysfs), "--proc-root", str(host.proc),
+                       "--pci-ids", IDS_2025, "--check", "-o", "json")  # fmt: skip
+    doc = json.loads(out)
+    assert code == 3 and doc["ready"] is False
+    assert [(c["name"], c["ok"]) for c in doc["checks"]] == [("IOMMU", False), ("vfio-pci", True), ("devices", False)]
+    assert "intel_iommu=on" in doc["checks"][0]["todo"] and doc["checks"][0]["said"].startswith("not enabled (")
+
+
+def test_the_agents_node_labels_say_the_preflight_in_its_words():
+    from passthrough.pci.discovery import NodeState
+    from passthrough.pci.preflight import node_labels
+
+    assert node_labels(NodeState(iommu_enabled=True, vfio_available=False)) == {
+        "passthrough.io/vfio": "false", "passthrough.io/iommu": "enabled", "passthrough.io/vfio-pci": "missing"}
+    assert node_labels(NodeState(iommu_enabled=True, vfio_available=True))["passthrough.io/vfio"] == "true"

@@ -25,7 +25,7 @@ from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.handover import WAITING, Handover, Outcome, held_elsewhere, other_plugin, served_elsewhere
 from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
-from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
+from passthrough.api.labels import NODE_LABEL
 from passthrough.kube.cache import Mirror, jittered
 from passthrough.kube.client import APPLY_PATCH as APPLY, ApiError, session_of
 from passthrough.kube.connect import CannotStart
@@ -33,6 +33,7 @@ from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.kube.events import EventRecorder
 from passthrough.kube.preflight import require_crds
 from passthrough.kube.watch import watch_events
+from passthrough.pci import preflight
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 from passthrough.pci.pciids import PciIds
@@ -388,9 +389,13 @@ class Agent:
                                 ours=self.handover.bound, locked=self.handover.locked(), claimed=self._claimed,
                                 others=others)  # fmt: skip
         if wanted.release:
-            # Withdrawn from the kubelet before anyone looks for holders: no pod gets it meanwhile.
+            # Withdrawn from the kubelet, then the kubelet is asked again who holds it: a pod given
+            # the device after the first answer is in this one, and no pod gets it from now on.
+            # Released on the first answer, a pod admitted in between would lose it under its VM.
             await self.handover.serve(node_plan.resources(discovery.devices, self._assignments, names, in_gpu_mode,
                                                           serve_pools, self.handover.locked(), **context))  # fmt: skip
+            view = await self.handover.look()
+            self._holders = context["holders"] = view.holders if view is not None else None
         outcome = await self.handover.carry_out(wanted, view)
         if outcome.writes:
             # Drivers moved: report what the kernel says now, not what it said before.
@@ -545,14 +550,14 @@ class Agent:
         return report.Node(name=self.node_name, uid=metadata["uid"])
 
     async def _label_node(self, node: report.Node, discovery: Discovery) -> int:
-        value = "true" if discovery.node.iommu_enabled and discovery.node.vfio_available else "false"
-        if self._node_labels.get(VFIO_LABEL) == value:
+        labels = preflight.node_labels(discovery.node)  # what `passthrough discover --check` says, in labels
+        if all(self._node_labels.get(k) == v for k, v in labels.items()):
             return 0
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "labels": {VFIO_LABEL: value}}}
+        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "labels": labels}}
         with metrics.write("nodes", "apply"):
             await self.session.request("PATCH", f"/api/v1/nodes/{node.name}", query={"fieldManager": AGENT_MANAGER, "force": True},
                                        body=body, content_type=APPLY)  # fmt: skip
-        log.info("labelled Node %s %s=%s", node.name, VFIO_LABEL, value)
+        log.info("labelled Node %s %s", node.name, " ".join(f"{k}={v}" for k, v in labels.items()))
         return 1
 
     def _log_once(self, key: str, message: str, *args: Any) -> None:

@@ -1,7 +1,8 @@
 """The `discover` and `resource-name` commands: the agent's view of this host, touching no cluster.
 
 Exit codes as in cli.py: 0 done, 2 bad input (an unknown ID, an unusable --pci-ids or
---sysfs-root); warnings go to stderr, so stdout stays parseable.
+--sysfs-root), and for `discover --check` 3: the node is not ready for passthrough
+(pci/preflight.py); warnings go to stderr, so stdout stays parseable.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from passthrough.pci import naming
+from passthrough.pci import naming, preflight
 from passthrough.pci.discovery import Device, Discovery, discover as discover_devices
 from passthrough.pci.pciids import PciIds
 
@@ -31,6 +32,10 @@ def discover(args: argparse.Namespace) -> int:
     found = discover_devices(Path(args.sysfs_root), Path(args.proc_root), pci_ids, virtual_functions=args.sriov_virtual_functions)
     for problem in found.problems:
         print(f"warning: {problem}", file=sys.stderr)
+    if args.check:
+        checks = preflight.checks(found, Path(args.sysfs_root))
+        _write(preflight.render_json(checks) if args.output == "json" else preflight.render(checks))
+        return 0 if preflight.ready(checks) else preflight.EXIT_NOT_READY
     if args.output == "json":
         _write(json.dumps(found.to_json(include_unreported=args.all), indent=2) + "\n")
     else:
