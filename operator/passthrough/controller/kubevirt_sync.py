@@ -55,6 +55,7 @@ class KubeVirtView:
     owned: frozenset[str]  # which of our three lists our field manager owns
     resource_version: str = ""
     our_gates: tuple[str, ...] | None = None  # the gates we applied (our annotation), None without one of ours
+    disabled_gates: tuple[str, ...] = ()  # developerConfiguration.disabledFeatureGates: never ours to write
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> KubeVirtView:
@@ -62,7 +63,8 @@ class KubeVirtView:
         owned = owned_by_us(meta.get("managedFields") or [])
         configuration = ((body.get("spec") or {}).get("configuration")) or {}
         permitted = configuration.get("permittedHostDevices") or {}
-        gates = (configuration.get("developerConfiguration") or {}).get("featureGates") or []
+        developer = configuration.get("developerConfiguration") or {}
+        gates = developer.get("featureGates") or []
         pci = permitted.get("pciHostDevices")
         mdev = permitted.get("mediatedDevices")
         return cls(
@@ -75,6 +77,7 @@ class KubeVirtView:
             owned=owned,
             resource_version=meta.get("resourceVersion", ""),
             our_gates=_our_gates((meta.get("annotations") or {}).get(GATES_ANNOTATION)) if GATES_ANNOTATION in owned else None,
+            disabled_gates=tuple(developer.get("disabledFeatureGates") or []),
         )
 
 
@@ -322,8 +325,10 @@ def _render(plan: SyncPlan, config: ConfigView, kubevirt: KubeVirtView | None, a
     """The values rendered (plan.rendered), or, when they are invalid, the last good render
     (plan.problems say why): a bad edit tears nothing down."""
     live_gates = list(kubevirt.feature_gates) if kubevirt else []
+    disabled = list(kubevirt.disabled_gates) if kubevirt else []
     try:
-        plan.rendered = render(parse_values(config.spec), assigned, live_gates=live_gates, previous_gates=previous_gates)
+        plan.rendered = render(parse_values(config.spec), assigned, live_gates=live_gates, previous_gates=previous_gates,
+                               disabled_gates=disabled)  # fmt: skip
         return plan.rendered
     except ValuesError as exc:
         plan.problems = exc.problems

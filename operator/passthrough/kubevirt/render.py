@@ -14,7 +14,10 @@ Decisions a platform admin should know:
   about 10,000 assigned devices fill it. From 1 MiB on, the render warns (the config's
   status.warnings) with the size and how many more devices fit.
 - Feature gates: `HostDevices`, then `extraFeatureGates`, without duplicates ("ours"), then
-  the live gates that are not ours, in their live order. KubeVirt's `featureGates` list is
+  the live gates that are not ours, in their live order. A gate of ours that the CR disables
+  (`developerConfiguration.disabledFeatureGates`) is not written, and a warning says so:
+  KubeVirt's update validator refuses a CR that names a gate in both lists (Cozystack's chart
+  refuses to render one), so writing it would fail every later apply too. KubeVirt's `featureGates` list is
   atomic, so a live gate is dropped only when we applied it last time and the values no longer
   ask for it. Which gates we applied is written in the same apply, as the CR's annotation
   `passthrough.io/feature-gates` (its managedFields say the annotation is ours): a list that
@@ -144,6 +147,7 @@ def render(
     assigned: Iterable[AssignedDevice] = (),
     live_gates: Sequence[str] = (),
     previous_gates: Sequence[str] = (),
+    disabled_gates: Sequence[str] = (),
 ) -> Rendered:
     """The KubeVirt CR's apply body for `spec`, the assigned devices and the live feature gates.
 
@@ -152,8 +156,9 @@ def render(
     """
     # With DRA, a VM names a ResourceClaim, not a resource: assigned devices need no entries.
     plan = plan_spec(spec, () if spec.dra.enabled else assigned)
-    ours = _unique([HOST_DEVICES_GATE, *(DRA_GATES if spec.dra.enabled else ()), *spec.kubevirt.extraFeatureGates])
-    dropped = set(ours) | set(previous_gates)
+    wanted = _unique([HOST_DEVICES_GATE, *(DRA_GATES if spec.dra.enabled else ()), *spec.kubevirt.extraFeatureGates])
+    ours = [g for g in wanted if g not in disabled_gates]
+    dropped = set(wanted) | set(previous_gates)
     gates = ours + _unique(g for g in live_gates if g not in dropped)
     pci, mdev = plan.allow_list.pci_host_devices, plan.allow_list.mediated_devices
     patch = _render_template(
@@ -168,10 +173,21 @@ def render(
     )
     size = patch_size(patch)
     warnings = list(plan.warnings)
+    warnings += [disabled_gate_warning(gate, spec) for gate in wanted if gate in disabled_gates]
     exclusive = sum(1 for e in pci if str(e.get("resourceName", "")).startswith(EXCLUSIVE_DOMAIN + "/"))
     if (warning := size_warning(size, len(pci) + len(mdev), exclusive)) is not None:
         warnings.append(warning)
     return Rendered(patch, gates, ours, pci, mdev, warnings, plan.allow_list.left_out, size)
+
+
+def disabled_gate_warning(gate: str, spec: PassthroughConfigSpec) -> str:
+    """Why a gate the values enable is not written: the KubeVirt CR disables it."""
+    target = f"{spec.kubevirt.namespace}/{spec.kubevirt.name}"
+    source = "kubevirt.extraFeatureGates" if gate in spec.kubevirt.extraFeatureGates else "this operator (it needs it)"
+    effect = " VMs that name devices will not start while it is off." if gate == HOST_DEVICES_GATE or gate in DRA_GATES else ""
+    return (f"feature gate {gate} is enabled by {source}, but KubeVirt {target} disables it "
+            f"(spec.configuration.developerConfiguration.disabledFeatureGates): KubeVirt refuses a CR that names a gate in "
+            f"both lists, so it is not written.{effect} Remove it from one of the two lists.")
 
 
 def cozystack_package(rendered: Rendered) -> dict:
