@@ -72,10 +72,12 @@ REASONS: dict[str, Reason] = {
         _READY, _NODE_WAITS,
     ),
     "HeldByPod": Reason(
-        "A pod on the node holds the device under its previous resource or namespace: nobody else gets it "
-        "until that pod ends.",
-        "Nothing: it follows its assignment once the pod ends. Delete the pod (stop its VM) to hurry it.",
-        _READY, _NODE_WAITS,
+        "Ready: a pod on the node holds the device under its previous resource or namespace: nobody else gets "
+        "it until that pod ends. Attached: a pod holds the device (device-plugin mode: a plain pod that asks for "
+        "its resource, or a VM's virt-launcher pod after its VM no longer lists it); the message names it.",
+        "Ready: nothing, it follows its assignment once the pod ends; delete the pod (stop its VM) to hurry it. "
+        "Attached: nothing; to free the device, delete the pod.",
+        (*_READY, f"{NODE_PCI_DEVICE}/Attached", f"{PCI_DEVICE}/Attached"), _NODE_WAITS,
     ),
     "WriteBlocked": Reason(
         "A sysfs write for the device (unbind, bind, driver_override) has not returned: the kernel or a "
@@ -149,9 +151,8 @@ REASONS: dict[str, Reason] = {
         (f"{NODE_PCI_DEVICE}/Assigned",), (f"{NODE_PCI_DEVICE}/Normal", f"{PCI_DEVICE}/Normal"),
     ),
     "Available": Reason(
-        "Assigned: the device is not handed out (not assigned, a system namespace, a namespace that does "
-        "not exist or is being deleted, or a device missing past the grace period; the message says which). "
-        "Attached: nothing uses the device.",
+        "Assigned: the device is not assigned to any namespace. Attached: nothing uses the device (no VM lists "
+        "it, no claim is allocated it, no pod holds it).",
         "To hand it out: kubectl patch npci <name> --type=merge -p '{\"spec\":{\"assignedNamespace\":\"<namespace>\"}}' "
         "with a tenant namespace that exists. To use it: name its deviceName in a VM's hostDevices (or, in DRA "
         "mode, claim it).",
@@ -178,6 +179,28 @@ REASONS: dict[str, Reason] = {
         "be one namespace's alone.",
         "Set externalResourceProvider: true on that gpu.permittedHostDevices entry of the PassthroughConfig, "
         "or clear spec.assignedNamespace.",
+        (f"{NODE_PCI_DEVICE}/Assigned",), (f"{NODE_PCI_DEVICE}/Warning",),
+    ),
+    "NamespaceNotFound": Reason(
+        "The device is assigned to a namespace that does not exist: no PCIDevice is made.",
+        "Create the namespace (the device is handed out by itself then) or fix spec.assignedNamespace.",
+        (f"{NODE_PCI_DEVICE}/Assigned",), (f"{NODE_PCI_DEVICE}/Warning",),
+    ),
+    "NamespaceTerminating": Reason(
+        "The namespace the device is assigned to is being deleted; its PCIDevice goes with it.",
+        "Create the namespace again once it is gone, or assign the device elsewhere.",
+        (f"{NODE_PCI_DEVICE}/Assigned",), (f"{NODE_PCI_DEVICE}/Warning",),
+    ),
+    "SystemNamespace": Reason(
+        "The device is assigned to a system namespace (kube-system, kube-public, kube-node-lease), which never "
+        "receives devices (an object from before the CRD refused them).",
+        "Assign it to a tenant namespace.",
+        (f"{NODE_PCI_DEVICE}/Assigned",), (f"{NODE_PCI_DEVICE}/Warning",),
+    ),
+    "DeviceMissing": Reason(
+        "The assigned device has been missing from its node (Ready NotFound) for longer than the grace period: "
+        "its PCIDevice was removed. The assignment stays.",
+        "Put the device back (it is handed out again by itself), or unassign it.",
         (f"{NODE_PCI_DEVICE}/Assigned",), (f"{NODE_PCI_DEVICE}/Warning",),
     ),
     "NamespaceRecreated": Reason(
