@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from passthrough.api import reasons
 from passthrough.api.names import (  # noqa: F401 (re-exported: the operator's code imports them from here)
     GROUP,
     VERSION,
@@ -71,6 +72,18 @@ class Condition(APIModel):
     )
 
 
+def _reason(kind: str, *types: str) -> Any:
+    """A condition's reason with every reason each of its types can have (api/reasons.py), so that
+    `kubectl explain <kind>.status.conditions.reason` lists them: the reasons are the API."""
+    listed = " ".join(f"{t}: {', '.join(reasons.of_condition(kind, t))}." for t in types)
+    return Field(
+        pattern=CAMEL_CASE_REASON,
+        max_length=CONDITION_REASON_MAX,
+        description=f"Why the condition is in this state, in CamelCase; the troubleshooting page says what each means "
+                    f"and what to do. {listed}",
+    )  # fmt: skip
+
+
 # The condition types each kind carries, as `kubectl explain <kind>.status.conditions.type` tells them.
 class NodePCIDeviceCondition(Condition):
     """A condition of a NodePCIDevice (metav1.Condition)."""
@@ -83,6 +96,7 @@ class NodePCIDeviceCondition(Condition):
             "or Attached (a VirtualMachine lists it)."
         )
     )
+    reason: str = _reason(NODE_PCI_DEVICE_KIND, "Ready", "Assigned", "Attached")
 
 
 class PCIDeviceCondition(Condition):
@@ -95,6 +109,7 @@ class PCIDeviceCondition(Condition):
             "this namespace lists it, or one of another namespace still holds it)."
         )
     )
+    reason: str = _reason("PCIDevice", "Ready", "Attached")
 
 
 class PassthroughConfigCondition(Condition):
@@ -109,6 +124,7 @@ class PassthroughConfigCondition(Condition):
             "is allow-listed)."
         )
     )
+    reason: str = _reason("PassthroughConfig", "Valid", "Applied", "AssignedDevicesPermitted", "NodesMatchAllowList")
 
 
 def _conditions(description: str) -> Any:
