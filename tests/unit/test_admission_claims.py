@@ -169,8 +169,11 @@ def test_a_claim_naming_another_namespaces_class_is_refused_its_own_admitted():
     verdict = claims.judge_claim("ResourceClaim", "team-b", "stolen", spec, owners)
     assert verdict.refusal == (
         "ResourceClaim team-b/stolen: request gpu names DeviceClass passthrough-team-a, which selects the devices of "
-        "another namespace; use passthrough-team-b; request alt/x names DeviceClass passthrough-team-a, which selects "
-        "the devices of another namespace; use passthrough-team-b."
+        "another namespace; a claim of team-b names passthrough-team-b, which the operator makes once a device is "
+        "assigned to team-b, or passthrough-pool.gpu for an unassigned GPU; request alt/x names DeviceClass "
+        "passthrough-team-a, which selects the devices of another namespace; a claim of team-b names "
+        "passthrough-team-b, which the operator makes once a device is assigned to team-b, or passthrough-pool.gpu "
+        "for an unassigned GPU."
     )
     assert claims.judge_claim("ResourceClaim", "team-a", "vm", spec, owners).allowed
     # A passthrough- class that is not the operator's (no owner) is judged only for adminAccess.

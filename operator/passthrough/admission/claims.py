@@ -200,7 +200,8 @@ def judge_claim(kind: str, namespace: str, name: str, devices: Any, owners: Mapp
         owner = (owners or {}).get(device_class, "")
         if owner and owner != namespace:
             problems.append(f"request {request} names DeviceClass {device_class}, which selects the devices of another "
-                            f"namespace; use {CLASS_PREFIX}{namespace}")  # fmt: skip
+                            f"namespace; a claim of {namespace} names {CLASS_PREFIX}{namespace}, which the operator "
+                            f"makes once a device is assigned to {namespace}, or {POOL_CLASS} for an unassigned GPU")  # fmt: skip
         elif admin and passthrough_class(device_class):
             problems.append(f"request {request} asks for adminAccess to DeviceClass {device_class}, which passthrough "
                             "devices do not allow (VFIO gives a device to one VM at a time, and admin access would reach "
