@@ -162,7 +162,8 @@ REASONS: dict[str, Reason] = {
     "InProgress": Reason(
         "An unassignment, reassignment or deletion waits for a VM or claim that still holds the device, or "
         "for the previous PCIDevice to finish terminating.",
-        "Nothing: it completes once the holder named in the message drops the device. Stop that VM to hurry it.",
+        "Nothing: it completes once the holder named in the message drops the device. To finish it now, remove the "
+        "device from that VM's spec (hostDevices) or delete the VM, or delete the claim.",
         (f"{NODE_PCI_DEVICE}/Assigned",), (f"{NODE_PCI_DEVICE}/Normal",),
     ),
     "NodeGone": Reason(
@@ -273,14 +274,15 @@ REASONS: dict[str, Reason] = {
     "WaitingForRelease": Reason(
         "The device was reassigned while a VM or claim of its previous namespace holds it; one here wants it "
         "and waits (its pod stays Pending).",
-        "Stop the VM (or delete the claim) named in the message, in the previous namespace; the waiting one "
-        "gets the device then.",
+        "In the previous namespace, remove the device from the spec of the VM the message names (or delete that "
+        "VM, or the claim); the waiting one gets the device then.",
         (f"{PCI_DEVICE}/Attached",), (f"{NODE_PCI_DEVICE}/Warning", f"{PCI_DEVICE}/Warning"),
     ),
     "HeldElsewhere": Reason(
         "The device was reassigned while a VM or claim of its previous namespace holds it; nothing here asks "
         "for it yet.",
-        "Nothing, unless a VM here needs it now: then stop the holder the message names.",
+        "Nothing, unless a VM here needs it now: then the holder the message names must drop it (its VM's spec "
+        "without the device, the VM or the claim deleted).",
         (f"{PCI_DEVICE}/Attached",), (f"{PCI_DEVICE}/Warning",),
     ),
     # -- the platform values: the PassthroughConfig's conditions ---------------------------------
