@@ -1,4 +1,4 @@
-"""Benchmark of the node's guarantees (issue 18): the agent's memory with its device plugins, and
+"""Benchmark of the node's guarantees: the agent's memory with its device plugins, and
 how soon a device its pod held is back in its pool once that pod ends.
 
     .venv/bin/python e2e/bench/bench_holders.py [--trials 10]

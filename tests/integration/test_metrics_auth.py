@@ -1,6 +1,6 @@
 """`--metrics-auth`: the metrics go only to a bearer token whose user may get /metrics, as the
 real API server decides (TokenReview, SubjectAccessReview), and the chart's roles allow both
-processes to ask it (issue 18: metrics behind authentication).
+processes to ask it.
 
 The scrapers are real identities: ServiceAccounts with tokens from the TokenRequest API, one
 bound to a ClusterRole like the chart's `<release>-metrics-reader`, one bound to nothing.

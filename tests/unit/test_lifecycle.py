@@ -616,7 +616,7 @@ def test_a_device_of_a_deleted_node_is_not_handed_out_until_the_node_is_back():
     assert "goes to team-a once the node is back" in assigned["message"]
 
 
-# -- issue 18: forged names, models KubeVirt serves, namespaces made after an assignment, holders ---
+# -- forged names, models KubeVirt serves, namespaces made after an assignment, holders -----------
 
 
 def test_a_node_device_not_named_for_its_attributes_is_ignored_and_flagged():

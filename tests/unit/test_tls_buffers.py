@@ -1,5 +1,5 @@
 """The agent's and the operator's TLS connections read into a 64 KiB buffer, not asyncio's 256 KiB
-(memory: issue 18 for the agent, the operator's 64 connections for issue 20).
+(memory: the agent's, and the operator's with its 64 connections).
 
 The knob is a class attribute of asyncio's TLS protocol; this fails when a Python release
 renames or stops reading it, so the saving cannot go away unnoticed.
