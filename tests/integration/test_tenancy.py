@@ -507,7 +507,7 @@ async def test_only_the_operator_writes_pcidevices_even_where_rbac_lets_a_tenant
             _content_type="application/merge-patch+json", dry_run="All")  # fmt: skip
 
 
-# -- issue 18: who holds a device, and namespaces tenants create -----------------------------------
+# -- who holds a device, and namespaces tenants create --------------------------------------------
 
 
 async def test_the_agent_reports_who_holds_its_devices_and_the_operator_tells_the_namespace(api, people, nodes, devices):
