@@ -25,7 +25,7 @@ libfuse:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,docs]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
@@ -60,6 +60,16 @@ crds: venv
 	$(VENV)/bin/passthrough crds --out crds
 	$(VENV)/bin/passthrough crds --out charts/passthrough-operator/crds
 	$(VENV)/bin/passthrough values-schema --out charts/passthrough-operator/values.schema.json
+
+## The documentation site (docs/, mkdocs.yml) at http://127.0.0.1:8000, rebuilt on every change.
+## `make test` builds it with --strict (tests/unit/test_docs_site.py).
+.PHONY: docs docs-generate
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+## Regenerate the site's generated pages (troubleshooting, the reference) from the code.
+docs-generate: venv
+	$(PY) docs/generate.py
 
 ## Regenerate the kubelet gRPC code (deviceplugin/kubeletapi and dra/kubeletapi under operator/passthrough) from its vendored protos.
 protos: venv
