@@ -29,7 +29,7 @@ from e2e import chart, fakesysfs, identities, support
 from e2e.fakekernel import FakeKernel
 from e2e.processes import AgentProcess
 from passthrough.agent import report
-from passthrough.api.labels import NODE_LABEL, VFIO_LABEL
+from passthrough.api.labels import IOMMU_LABEL, NODE_LABEL, VFIO_LABEL, VFIO_PCI_LABEL
 from passthrough.kube.connect import connect
 from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.kube.client import ApiError
@@ -312,7 +312,9 @@ async def test_the_agent_does_its_whole_job_under_its_node_policy(api, nodes, pe
     node = nodes.one.name
     reported = await agent.reported()
     assert all(next(c for c in o["status"]["conditions"] if c["type"] == "Ready")["status"] == "True" for o in reported.values())
-    assert (await client.CoreV1Api(api).read_node(node)).metadata.labels[VFIO_LABEL] == "true"
+    labels = (await client.CoreV1Api(api).read_node(node)).metadata.labels
+    # The preflight's words (passthrough discover --check), written under the node policy.
+    assert (labels[VFIO_LABEL], labels[IOMMU_LABEL], labels[VFIO_PCI_LABEL]) == ("true", "enabled", "loaded")
     assert {agent.host.driver(a) for a in reported} == {"vfio-pci"}
     about = f"involvedObject.name={devices.assigned}"
     events = await client.CoreV1Api(api).list_namespaced_event("default", field_selector=about)
