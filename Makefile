@@ -29,9 +29,11 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-## The control-plane binaries (built once, cached outside the tree).
+## The control-plane binaries, and KubeVirt's (its CRD generator, virt-api, virt-controller and
+## virt-operator's webhooks: e2e/virt.py), built once, cached outside the tree.
 controlplane: venv
 	$(PY) -m e2e.build
+	$(PY) -m e2e.virt
 
 ## The main job: local control plane, CRDs, operator and simulated nodes. Ctrl-C stops all.
 ## `make run DRA=1`: in DRA mode (the agents publish ResourceSlices, pods take devices through claims).

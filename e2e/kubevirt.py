@@ -1,8 +1,13 @@
-"""KubeVirt's CRDs (KubeVirt, VirtualMachine, VirtualMachineInstance) from KubeVirt's own OpenAPI spec.
+"""KubeVirt's CRDs for the test control plane.
 
-The test control plane has no KubeVirt, but the parts of its API this project reads and
-writes must be the real ones, so the CRD schemas are built from `shared/kubevirt/swagger.json`
-(the spec KubeVirt publishes): references inlined, descriptions dropped, and the few
+`write_crds` writes the CRDs virt-operator installs, from virt-operator's own generator
+(`e2e/virt.py` builds it from KubeVirt's Go module): every CRD of KubeVirt's install, with the
+schemas KubeVirt generates, so the API server judges what this project writes by KubeVirt's
+rules, and virt-api and virt-controller find every resource they watch.
+
+`crds` is an approximation kept for the unit tests, which build nothing: the KubeVirt,
+VirtualMachine and VirtualMachineInstance CRDs from KubeVirt's published OpenAPI spec
+(`e2e/data/kubevirt-swagger.json`): references inlined, descriptions dropped, and the few
 Kubernetes types that CRD schemas spell differently (Quantity, IntOrString, nested
 ObjectMeta, RawExtension) written the way KubeVirt's generated CRDs write them.
 """
@@ -133,10 +138,24 @@ def crds(swagger: Path | None = None) -> list[dict[str, Any]]:
     return result
 
 
+def generated_crds() -> list[dict[str, Any]]:
+    """Every CRD virt-operator installs, as its generator writes them (status and empty
+    creation timestamps left out: nothing a client sends)."""
+    from e2e import virt
+
+    result = []
+    for crd in virt.install_manifest()["crds"]:
+        crd = {key: value for key, value in crd.items() if key != "status"}
+        crd["metadata"] = {key: value for key, value in crd["metadata"].items() if value is not None}
+        result.append(crd)
+    return result
+
+
 def write_crds(directory: Path) -> list[Path]:
+    """KubeVirt's generated CRDs as one file each in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
-    for crd in crds():
+    for crd in generated_crds():
         path = directory / f"{crd['metadata']['name']}.yaml"
         path.write_text(yaml.safe_dump(crd, sort_keys=False))
         paths.append(path)

@@ -1,0 +1,353 @@
+"""KubeVirt's own programs against the local control plane: virt-operator's install generator,
+virt-api and virt-controller, built from KubeVirt's Go module at the release
+`e2e/kubevirt_controllers/go.mod` pins (unmodified, through the Go module proxy).
+
+- `install_manifest(namespace)`: what virt-operator installs for a KubeVirt CR in `namespace`,
+  from its own install strategy (`install/main.go`): the CRDs, virt-api's webhook
+  configurations, the two Deployments. `e2e/kubevirt.py` installs the CRDs from it.
+- `KubeVirtControllers`: virt-api and virt-controller as processes on 127.0.0.1, virt-api's
+  webhooks registered as virt-operator registers them, pointed at the process. They read the
+  KubeVirt CR of their namespace (`kubevirt`), which the operator configures.
+
+Where the chain stops: virt-handler and virt-launcher do not run (they need libvirt and a
+node's /dev/kvm). What they would do for the rest of the chain is done by the caller: a node
+is marked `kubevirt.io/schedulable=true` with the capacity of KubeVirt's own device plugins
+(`mark_node`), as virt-handler would; the launcher pod virt-controller makes is run by the
+kubelet with the stand-in runtime, so its compute container is created but runs nothing.
+What virt-operator does around the programs is done here too, in its place: virt-api's
+serving certificate (for 127.0.0.1, in a file, as KubeVirt reads its mounted Secret), the CA
+ConfigMap, and the request-header CA virt-api insists on finding in
+`kube-system/extension-apiserver-authentication` (an aggregated API server's setting; the
+subresource API itself is not registered, so `virtctl start` is not available: VMs start by
+`runStrategy`).
+
+The binaries are cached beside the control plane's (`e2e/build.py`), keyed by the Go release
+and the module's files; a lock lets parallel test runs build them once.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from e2e import build
+from e2e.cluster import _die_with_parent, free_ports
+
+MODULE = Path(__file__).resolve().parent / "kubevirt_controllers"
+NAMESPACE = "kubevirt"  # where virt-api and virt-controller look for their KubeVirt CR (no service account file here)
+PACKAGES = {
+    "kubevirt-install": "./install",
+    "kubevirt-validator": "./validator",
+    "virt-api": "kubevirt.io/kubevirt/cmd/virt-api",
+    "virt-controller": "kubevirt.io/kubevirt/cmd/virt-controller",
+}
+# Registered by virt-operator only while a feature gate asks for it.
+GATED_WEBHOOKS = frozenset({"virt-launcher-pod-mutator"})
+SCHEDULABLE = "kubevirt.io/schedulable"
+# What virt-handler's device plugins advertise on a node: every launcher pod asks for kvm, and
+# for tun and vhost-net when it has a pod network interface.
+NODE_CAPACITY = {"devices.kubevirt.io/kvm": "1k", "devices.kubevirt.io/tun": "1k", "devices.kubevirt.io/vhost-net": "1k"}
+
+
+def kubevirt_version() -> str:
+    return build._required_version(MODULE, "kubevirt.io/kubevirt")
+
+
+def cache_key() -> str:
+    """The Go release, the module's go.mod and go.sum and every source in it (ours and the
+    third-party copies): a change to any means new binaries."""
+    digest = hashlib.sha256(build._go_version().encode())
+    for path in sorted([MODULE / "go.mod", MODULE / "go.sum", *MODULE.rglob("*.go"), *MODULE.rglob("go.mod")]):
+        digest.update(str(path.relative_to(MODULE)).encode() + b"\0" + path.read_bytes())
+    digest.update(json.dumps(PACKAGES, sort_keys=True).encode())
+    return digest.hexdigest()[:12]
+
+
+def cache_dir() -> Path:
+    return build.cache_root() / "kubevirt" / f"kubevirt-{kubevirt_version()}-{cache_key()}"
+
+
+class _Progress(build._Progress):
+    def report(self) -> None:
+        elapsed = int(time.monotonic() - self.started)
+        print(f"[kubevirt] {self.label}: {self.done} of up to {self.total} packages compiled ({elapsed // 60}m{elapsed % 60:02d}s)",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _go(args: list[str], log_path: Path, progress_total: int = 0) -> str:
+    with log_path.open("a") as log:
+        log.write(f"\n$ (cd {MODULE} && go {' '.join(args)})\n")
+        log.flush()
+        proc = subprocess.Popen(["nice", "-n", "10", shutil.which("go") or "go", *args], cwd=MODULE, env=build._go_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        assert proc.stdout is not None
+        output = ""
+        if progress_total:
+            progress = _Progress(f"build {', '.join(PACKAGES)}", progress_total, log)
+            feeder = threading.Thread(target=progress.feed, args=(proc.stdout,), daemon=True)
+            feeder.start()
+            rc = proc.wait()
+            feeder.join()
+        else:
+            output = proc.stdout.read()
+            log.write(output)
+            rc = proc.wait()
+    if rc != 0:
+        raise build.BuildError(f"building KubeVirt's programs failed at `go {args[0]}` (exit {rc}); see {log_path}")
+    return output
+
+
+def _build(directory: Path) -> Path:
+    """Build into a staging directory beside the entry, then move it in: a half-built entry is never found."""
+    for stale in directory.parent.glob(f"{directory.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = directory.parent / f"{directory.name}.partial-{os.getpid()}"
+    (staging / "bin").mkdir(parents=True)
+    log_path = directory.parent / f"{directory.name}.build.log"
+    log_path.write_text(f"# KubeVirt build, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    started = time.monotonic()
+    print(f"[kubevirt] building KubeVirt {kubevirt_version()}'s {', '.join(PACKAGES)} (a first build takes minutes) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
+    _go(["mod", "download"], log_path)
+    listed = _go(["list", "-deps", *PACKAGES.values()], log_path)
+    total = len([line for line in listed.splitlines() if line and not line.startswith("go: ")])
+    _go(["build", "-v", "-trimpath", "-o", str(staging / "bin") + "/", *PACKAGES.values()], log_path, progress_total=total)
+    for name, package in PACKAGES.items():  # `go build -o DIR/` names each program after its package's folder
+        if Path(package).name != name:
+            (staging / "bin" / Path(package).name).rename(staging / "bin" / name)
+    for name in PACKAGES:
+        if not (staging / "bin" / name).is_file():
+            raise build.BuildError(f"the KubeVirt build produced no {name}; see {log_path}")
+    elapsed = time.monotonic() - started
+    (staging / "build-info.json").write_text(json.dumps({"seconds": round(elapsed, 1), "go": build._go_version()}))
+    if directory.exists():
+        shutil.rmtree(directory)
+    staging.rename(directory)
+    print(f"[kubevirt] built in {int(elapsed) // 60}m{int(elapsed) % 60:02d}s into {directory}", file=sys.stderr, flush=True)
+    return directory / "bin"
+
+
+def ensure_binaries() -> Path:
+    """The directory of the three programs, built first when the cache lacks them. Raises
+    build.BuildError (no `go`, a failed build) with a message that says what to do."""
+    if shutil.which("go") is None:
+        raise build.BuildError("KubeVirt's programs are built with Go, and `go` is not on PATH; install Go 1.26 or newer")
+    directory = cache_dir()
+    if (directory / "build-info.json").is_file():
+        return directory / "bin"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with (directory.parent / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then look again
+        if (directory / "build-info.json").is_file():
+            return directory / "bin"
+        return _build(directory)
+
+
+def install_manifest(namespace: str = NAMESPACE) -> dict[str, Any]:
+    """virt-operator's install strategy for a KubeVirt CR in `namespace` (kept beside the binaries)."""
+    bin_dir = ensure_binaries()
+    cached = bin_dir.parent / f"install-{namespace}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    proc = subprocess.run([str(bin_dir / "kubevirt-install"), namespace], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise build.BuildError(f"virt-operator's install generator failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    partial = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
+    partial.write_text(proc.stdout)
+    partial.rename(cached)
+    return json.loads(proc.stdout)
+
+
+def _container_args(deployments: list[dict], container: str) -> list[str]:
+    """The arguments virt-operator's Deployment gives `container`, less those that name files
+    or addresses of a pod (set here for a process on loopback)."""
+    [deployment] = deployments
+    [spec] = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == container]
+    return list(spec.get("args") or [])
+
+
+class KubeVirtControllers:
+    """virt-api and virt-controller of the pinned release against `cluster`, each its own process.
+
+    `start()` returns once virt-api serves (its webhooks registered) and virt-controller leads;
+    `stop()` takes the webhook configurations away first, so no later request meets a webhook
+    whose server is gone.
+    """
+
+    def __init__(self, cluster, workdir: Path) -> None:
+        from e2e.processes import WebhookServing
+
+        self.cluster, self.workdir = cluster, Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.serving = WebhookServing(self.workdir / "tls")
+        self.manifest = install_manifest(NAMESPACE)
+        self.bin_dir = ensure_binaries()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.webhooks: list[tuple[str, str]] = []  # (kind, name) registered
+
+    def log(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def output(self, name: str) -> str:
+        path = self.log(name)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # -- what virt-operator would have done --------------------------------------------------
+
+    def _prepare(self) -> None:
+        kubectl = self.cluster.kubectl
+        kubectl("create", "namespace", NAMESPACE, check=False)
+        # virt-api refuses to start without a request-header CA in the API server's
+        # authentication ConfigMap; the API server keeps keys it finds there (it merges CAs).
+        ca = self.cluster.ca_file.read_text()
+        kubectl("patch", "configmap", "extension-apiserver-authentication", "-n", "kube-system", "--type=merge", "-p",
+                json.dumps({"data": {"requestheader-client-ca-file": ca, "requestheader-username-headers": '["X-Remote-User"]',
+                                     "requestheader-group-headers": '["X-Remote-Group"]',
+                                     "requestheader-extra-headers-prefix": '["X-Remote-Extra-"]'}}))  # fmt: skip
+        kubectl("apply", "--server-side", "--field-manager=virt-operator", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kubevirt-ca", "namespace": NAMESPACE},
+            "data": {"ca-bundle": self.serving.ca.decode()},
+        }))  # fmt: skip
+
+    def _deployed(self) -> None:
+        """The KubeVirt CRs of the namespace reported Deployed, as virt-operator reports its
+        install done: virt-api and virt-controller read their configuration only from a CR
+        with a phase."""
+        listed = json.loads(self.cluster.kubectl("get", "kubevirts", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+        for kv in listed:
+            self.cluster.kubectl("patch", "kubevirt", kv["metadata"]["name"], "-n", NAMESPACE, "--subresource=status",
+                                 "--type=merge", "-p", json.dumps({"status": {"phase": "Deployed"}}))  # fmt: skip
+
+    def _register_webhooks(self, ports: dict[str, int]) -> None:
+        """virt-operator's webhook configurations, each webhook pointed at the process that
+        serves its Service (`ports`: Service name -> port on 127.0.0.1). A configuration
+        virt-operator registers only with a feature gate on (the launcher pod's, for
+        ContainerPathVolumes) or for a program not run here (virt-template's) is left out."""
+        ca = base64.b64encode(self.serving.ca).decode()
+        for key, kind in (("mutatingWebhookConfigurations", "mutatingwebhookconfiguration"),
+                          ("validatingWebhookConfigurations", "validatingwebhookconfiguration")):  # fmt: skip
+            for configuration in self.manifest[key] or []:
+                if configuration["metadata"]["name"] in GATED_WEBHOOKS:
+                    continue
+                services = {w["clientConfig"]["service"]["name"] for w in configuration["webhooks"]}
+                if not services <= ports.keys():
+                    continue
+                for webhook in configuration["webhooks"]:
+                    service = webhook["clientConfig"]["service"]
+                    webhook["clientConfig"] = {"url": f"https://127.0.0.1:{ports[service['name']]}{service.get('path', '/')}",
+                                               "caBundle": ca}  # fmt: skip
+                configuration["metadata"].pop("creationTimestamp", None)
+                self.cluster.kubectl("apply", "--server-side", "--field-manager=virt-operator", "-f", "-",
+                                     input=json.dumps(configuration))  # fmt: skip
+                self.webhooks.append((kind, configuration["metadata"]["name"]))
+
+    # -- the processes ---------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        with self.log(name).open("ab") as log:
+            proc = subprocess.Popen([str(self.bin_dir / name), *args], stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "KUBEVIRT_VERSION": kubevirt_version()}, cwd=self.workdir,
+                                    start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+        self.procs[name] = proc
+        return proc
+
+    def _wait(self, name: str, ready, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{self.output(name)[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not ready after {timeout:.0f}s; its log ends:\n{self.output(name)[-4000:]}")
+            time.sleep(0.2)
+
+    def _serves_tls(self, port: int) -> bool:
+        context = ssl.create_default_context(cadata=self.serving.ca.decode())
+        with contextlib.suppress(OSError):
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock, context.wrap_socket(sock):
+                return True
+        return False
+
+    def start(self, timeout: float = 120) -> KubeVirtControllers:
+        self._prepare()
+        self._deployed()
+        common = [f"--kubeconfig={self.cluster.kubeconfig}", "--listen=127.0.0.1"]
+        tls = self.serving.directory
+        api_port = self.serving.port  # the port the webhook configurations are pointed at
+        console_port, controller_port = free_ports(2)
+        self._spawn("virt-api", [
+            *_container_args(self.manifest["apiDeployments"], "virt-api"), *common, f"--port={api_port}",
+            f"--console-server-port={console_port}", f"--tls-cert-file={tls / 'tls.crt'}", f"--tls-key-file={tls / 'tls.key'}",
+            f"--handler-cert-file={tls / 'tls.crt'}", f"--handler-key-file={tls / 'tls.key'}",
+        ])  # fmt: skip
+        self._wait("virt-api", lambda: self._serves_tls(api_port), timeout)
+        validator_port = free_ports(1)[0]
+        self._spawn("kubevirt-validator", [
+            f"--kubeconfig={self.cluster.kubeconfig}", f"--listen=127.0.0.1:{validator_port}", f"--namespace={NAMESPACE}",
+            f"--tls-cert-file={tls / 'tls.crt'}", f"--tls-key-file={tls / 'tls.key'}",
+        ])  # fmt: skip
+        self._wait("kubevirt-validator", lambda: self._serves_tls(validator_port), timeout)
+        self._register_webhooks({"virt-api": api_port, "kubevirt-operator-webhook": validator_port})
+        self._spawn("virt-controller", [
+            *_container_args(self.manifest["controllerDeployments"], "virt-controller"), *common, f"--port={controller_port}",
+            f"--prom-cert-file={tls / 'tls.crt'}", f"--prom-key-file={tls / 'tls.key'}",
+        ])  # fmt: skip
+        self._wait("virt-controller", lambda: "STARTING controllers" in self.output("virt-controller"), timeout)
+        return self
+
+    def stop(self) -> None:
+        for kind, name in reversed(self.webhooks):
+            self.cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
+        self.webhooks.clear()
+        for name, proc in reversed(list(self.procs.items())):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(5)
+        self.procs.clear()
+
+    def __enter__(self) -> KubeVirtControllers:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def mark_node(cluster, node: str) -> None:
+    """What virt-handler does for a node it runs on, which launcher pods need to be scheduled
+    there: the `kubevirt.io/schedulable` label and its device plugins' capacity."""
+    cluster.kubectl("label", "node", node, f"{SCHEDULABLE}=true", "--overwrite")
+    patch = {"status": {"capacity": NODE_CAPACITY}}
+    cluster.kubectl("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+
+
+def main() -> int:
+    try:
+        print(ensure_binaries())
+    except build.BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
