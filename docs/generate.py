@@ -100,6 +100,7 @@ def troubleshooting() -> str:
         "message of a condition always names the object, the node or the namespace concerned, and "
         "often the exact command that fixes it.\n\n"
     )
+    out.append(_symptoms(reasons.REASONS))
     placed: set[str] = set()
     for title, intro, where in SECTIONS:
         names = [n for n, r in reasons.REASONS.items() if n not in placed and set(r.conditions) & set(where)]
@@ -112,6 +113,32 @@ def troubleshooting() -> str:
     for name in rest:
         out.append(_reason(name, reasons.REASONS[name]))
     return "".join(out).rstrip("\n") + "\n"
+
+
+# Reasons that say all is well: no symptom leads to them.
+WELL = {"Ready", "Assigned", "AttachedToVirtualMachine", "AllocatedToClaim", "Available", "Valid", "Applied",
+        "AllPermitted", "Match", "BoundToVfio", "GivenBack", "Attached", "Detached", "Released"}  # fmt: skip
+SYMPTOMS = (
+    ("`kubectl get npci` shows READY False", "the NodePCIDevice's `Ready` message", ("NodePCIDevice/Ready",)),
+    ("ASSIGNED stays False after `spec.assignedNamespace` was set; no PCIDevice in the namespace",
+     "the NodePCIDevice's `Assigned` message", ("NodePCIDevice/Assigned",)),
+    ("a VM's launcher pod stays Pending, or a tenant's PCIDevice is not READY",
+     "the PCIDevice's `Ready` and `Attached` messages", ("PCIDevice/Ready", "PCIDevice/Attached")),
+    ("a VM never gets a pod (virt-controller's `FailedCreate`), or `kubectl get ptconfig` shows VALID or APPLIED False",
+     "the PassthroughConfig's conditions and `status.notPermitted`, `status.leftOut`",
+     ("PassthroughConfig/Valid", "PassthroughConfig/Applied", "PassthroughConfig/AssignedDevicesPermitted",
+      "PassthroughConfig/NodesMatchAllowList")),
+)  # fmt: skip
+
+
+def _symptoms(table: dict[str, Any]) -> str:
+    rows = []
+    for symptom, look, where in SYMPTOMS:
+        names = [n for n, r in table.items() if n not in WELL and set(r.conditions) & set(where)]
+        rows.append((symptom, look, ", ".join(f"[{n}](#{n.lower()})" for n in names)))
+    rows.append(("a VM is refused: \"... is not a PCIDevice of namespace ...\"",
+                 "the NodePCIDevice's `Assigned`: the device is not handed out to that namespace", "see ASSIGNED above"))
+    return "## From a symptom to its reason\n\n" + _table(("symptom", "look at", "the reasons it can be"), rows) + "\n"
 
 
 def _reason(name: str, reason: Any) -> str:
