@@ -132,7 +132,8 @@ def test_default_values_render_the_models_defaults_and_two_operator_replicas(hel
     assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev", "--state-dir=/run/passthrough",
             "--binder-socket=/run/passthrough-binder/binder.sock"} <= set(agent["command"])  # fmt: skip
     assert container(objects, "DaemonSet", "binder")["command"] == [
-        "passthrough", "binder", "--listen=/run/passthrough-binder/binder.sock"]  # fmt: skip
+        "passthrough", "binder", "--listen=/run/passthrough-binder/binder.sock", "--sysfs-root=/host/sys",
+        "--dev-root=/host/dev", "--proc-root=/host/proc"]  # fmt: skip
     assert "--no-pool-resources" not in agent["command"] and "--sriov-virtual-functions" not in agent["command"]
 
 
@@ -181,6 +182,7 @@ def test_the_agent_pod_has_only_the_privilege_binding_needs(helm):
         "/host/sys": ("/sys", "recursive"),
         "/host/sys/bus/pci": ("/sys/bus/pci", False),
         "/host/sys/devices": ("/sys/devices", False),
+        "/host/proc": ("/proc", "recursive"),
         "/host/dev/vfio": ("/dev/vfio", True),
     }
 
@@ -541,7 +543,8 @@ async def agent(api, cluster, release, node, tmp_path_factory):
     kernel = FakeKernel(host).start()
     # The DaemonSet's binder container: the bind sequence, through the socket the agent names.
     binder_socket = root / "binder.sock"
-    binder = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={binder_socket}"],
+    binder = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={binder_socket}",
+                               f"--sysfs-root={host.sysfs}", f"--dev-root={host.root / 'dev'}", f"--proc-root={host.proc}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
     env = dict(os.environ)
     for var in container(release["objects"], "DaemonSet")["env"]:

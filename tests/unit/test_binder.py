@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from e2e.fakesysfs import gpu_node
+from e2e.fakesysfs import FakeHost, gpu_node
 from passthrough.pci.binder import Binder
 from passthrough.pci.vfio import BindError
 
@@ -77,6 +77,33 @@ async def test_closing_does_not_wait_for_a_child_blocked_in_the_kernel(tmp_path)
     await asyncio.to_thread(let_go, fifo)  # the killed child dies once its write returns
 
 
+async def test_a_job_whose_caller_went_stays_in_flight_until_its_write_returns(tmp_path):
+    """A scan cancelled mid-job (its own deadline, SIGTERM) leaves the write in the child: the
+    group counts as blocked (discovery must not read what waits for its device lock) until the
+    child answers, and then asks for a scan like any late job."""
+    host = gpu_node(tmp_path)
+    fifo = block_unbind(host, "nvidia")
+    finished = asyncio.Event()
+    binder = Binder(deadline=30, on_finished=finished.set)
+    try:
+        job = asyncio.create_task(binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2))
+        override = host.sysfs / "bus" / "pci" / "devices" / GPU / "driver_override"
+        while override.read_text().strip() != "vfio-pci":
+            await asyncio.sleep(0.05)  # the child's next write is the unbind, which blocks until let_go
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        assert binder.overdue_addresses() == {GPU, AUDIO}
+        with pytest.raises(BindError) as again:
+            await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+        assert again.value.reason == "WriteBlocked" and "was cancelled" in str(again.value)
+        await asyncio.to_thread(let_go, fifo)
+        await asyncio.wait_for(finished.wait(), 10)
+        assert binder.overdue == {}
+    finally:
+        await binder.close()
+
+
 async def test_a_child_that_dies_is_replaced_for_the_next_job(tmp_path):
     host = gpu_node(tmp_path)
     binder = Binder(deadline=5)
@@ -124,12 +151,15 @@ async def test_what_a_bind_that_returned_late_moved_is_kept_for_the_agents_recor
 
 @pytest.fixture
 def binder_container(tmp_path):
-    """`passthrough binder --listen` as its own process, as the chart runs it beside the agent."""
+    """`passthrough binder --listen` as its own process, as the chart runs it beside the agent,
+    over the host at tmp_path/host (its own roots)."""
     import subprocess
     import sys
 
+    host = gpu_node(tmp_path / "host")
     socket = tmp_path / "run" / "binder.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={socket}"],
+    proc = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={socket}", f"--sysfs-root={host.sysfs}",
+                             f"--dev-root={host.dev}", f"--proc-root={host.proc}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 60
     while not socket.exists():
@@ -141,7 +171,7 @@ def binder_container(tmp_path):
 
 
 async def test_through_a_binder_container_a_blocked_write_holds_up_only_its_own_connection(tmp_path, binder_container):
-    host = gpu_node(tmp_path / "host")
+    host = FakeHost.existing(tmp_path / "host")  # the one the binder container works on
     fifo = block_unbind(host, "nvidia")
     finished = asyncio.Event()
     binder = Binder(deadline=1.5, on_finished=finished.set, socket=binder_container)

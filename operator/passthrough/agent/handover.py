@@ -126,10 +126,12 @@ class Handover:
         """`view`: the kubelet's answer of this scan (`look`); None when it could not be asked."""
         outcome = Outcome()
         self.bound.add(self.binder.take_late_moved())  # a write past its deadline that returned moved these
+        self.bound.settle(self.sysfs_root)  # binds whose answer was lost (a restart mid-write), from the driver links
         for group, late in self.binder.overdue.items():
             for address in late.members:
                 outcome.failures[address] = BindError("WriteBlocked", late.message(self.binder.deadline))
         for group, members in plan.bind.items():
+            self.bound.intend(self.sysfs_root, members)
             try:
                 writes, moved = await self.binder.bind(self.sysfs_root, self.dev_root, group, list(members), self.bind_timeout)
             except BindError as exc:

@@ -33,7 +33,7 @@ from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.kube.events import EventRecorder
 from passthrough.kube.preflight import require_crds
 from passthrough.kube.watch import watch_events
-from passthrough.pci import preflight
+from passthrough.pci import overrides, preflight
 from passthrough.pci.discovery import Discovery, discover
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 from passthrough.pci.pciids import PciIds
@@ -451,7 +451,7 @@ class Agent:
     async def _discover(self) -> Discovery:
         locked = self.handover.locked() if self.handover is not None else frozenset()
         return await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids, locked,
-                                       virtual_functions=self.virtual_functions)  # fmt: skip
+                                       virtual_functions=self.virtual_functions, read_overrides=overrides.AGENT)  # fmt: skip
 
     def _tell(self, outcome: Outcome, names: dict[str, str]) -> None:
         """Log and post an Event for every move and every new failure; repeats stay quiet."""

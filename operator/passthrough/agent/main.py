@@ -19,6 +19,7 @@ from passthrough.agent.metrics import AGENT, AGENT_STATE
 from passthrough.durations import DurationError, parse_duration
 from passthrough.kube.connect import CannotStart, session, smaller_tls_buffers
 from passthrough.kube.review import MetricsReviewer
+from passthrough.pci.binder import Binder
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger("passthrough.agent")
@@ -40,6 +41,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
                 write_deadline=deadline,
                 binder_socket=Path(args.binder_socket) if args.binder_socket else None,
             )
+            confine(handover.binder, args)
         agent = Agent(
             api,
             node_name=args.node_name,
@@ -69,6 +71,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
             driver = Driver(api, args.node_name, Path(args.sysfs_root), Path(args.proc_root), Path(args.dev_root),
                             agent.pci_ids, Path(args.kubelet_dir), Path(args.cdi_dir), rescan, args.sriov_virtual_functions,
                             deadline)  # fmt: skip
+            confine(driver.binder, args)
             driver.on_drivers_moved = agent.trigger  # a prepare or give-back moved drivers: report them now
             loop.add_signal_handler(signal.SIGHUP, lambda: (agent.trigger(), driver.trigger()))
             # One server per device: what the driver finds other servers have, the agent reports.
@@ -85,6 +88,12 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
         if endpoint is not None:
             await endpoint.cleanup()
         await api.close()
+
+
+def confine(binder: Binder, args: argparse.Namespace) -> None:
+    """The binder child judges each job by discovery's rules on the agent's own /proc and flags
+    (a binder container has its own, on its command line)."""
+    binder.proc_root, binder.virtual_functions = Path(args.proc_root), args.sriov_virtual_functions
 
 
 # Seconds the agent's tasks may take to end once cancelled (their `finally`: stopping the device

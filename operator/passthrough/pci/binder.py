@@ -7,12 +7,17 @@ and a fresh one takes the next job. The overdue write returns when the holder le
 then reports, exits, and `on_finished` asks for a scan. A child blocked in a write cannot be
 killed until the write returns, so nobody waits for it.
 
-The child is `python -m passthrough.pci.binder`: one JSON job per line on stdin, one JSON answer
-per line on stdout. Or, where the agent itself may not write sysfs (the chart's least-privilege
-pod: its container sees the host's /sys read-only), `passthrough binder --listen SOCKET` runs in a
+The child is `python -m passthrough.pci.binder --sysfs-root=... --dev-root=... --proc-root=...`
+(the agent's roots): one JSON job per line on stdin, one JSON answer per line on stdout. Or,
+where the agent itself may not write sysfs (the chart's least-privilege pod: its container sees the host's /sys read-only), `passthrough binder --listen SOCKET` runs in a
 container of its own that may, and forks a child per connection that speaks the same lines:
 the agent's `Binder(socket=...)` connects instead of starting a child, and sets a blocked
 connection aside just as it sets a blocked child aside.
+
+Either way the binder judges each job itself (`pci.jobs`): its roots are those of its own
+command line, never the job's, and it writes only the bind files below its sysfs root, never
+through a symlink (`sysfs.confine`). A compromised agent can ask it only for what the agent
+may legitimately ask: an eligible group moved whole to vfio-pci, or given back.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from passthrough.pci import sysfs
+from passthrough.pci.jobs import Roots
 from passthrough.pci.vfio import BindError
 
 log = logging.getLogger(__name__)
@@ -47,14 +54,19 @@ class Overdue:
     op: str
     group: int
     members: tuple[str, ...]
-    since: float  # time.monotonic() at the deadline
+    since: float  # time.monotonic() at the deadline, or when its caller went
+    cancelled: bool = False  # its caller went before the deadline (the job is in flight all the same)
 
     def message(self, deadline: float) -> str:
         what = "binding it to vfio-pci" if self.op == "bind" else "giving it back"
+        if self.cancelled:
+            late, holds = "is still in flight (the scan that asked for it was cancelled)", "something may hold"
+        else:
+            late, holds = f"has not returned after {deadline:g} s", "something holds"
         return (
-            f"a sysfs write while {what} has not returned after {deadline:g} s: something holds IOMMU group "
-            f"{self.group} ({', '.join(self.members)}): a VMM, nvidia-persistenced, a CUDA process. The kernel finishes "
-            "the write once that lets go; until then the agent leaves the group alone"
+            f"a sysfs write while {what} {late}: {holds} IOMMU group {self.group} ({', '.join(self.members)}): a VMM, "
+            "nvidia-persistenced, a CUDA process. The kernel finishes the write once that lets go; until then the agent "
+            "leaves the group alone"
         )
 
 
@@ -68,9 +80,15 @@ class Binder:
         on_finished: Callable[[], None] | None = None,
         command: tuple[str, ...] = (sys.executable, "-m", "passthrough.pci.binder"),
         socket: Path | None = None,
+        proc_root: Path = Path("/proc"),
+        virtual_functions: bool = False,
     ) -> None:
         self.deadline = deadline
         self.socket = socket
+        # The child's roots besides the sysfs and /dev of the jobs, as the agent's own (a binder
+        # container has its own on its command line).
+        self.proc_root = Path(proc_root)
+        self.virtual_functions = virtual_functions
         self.start_timeout = start_timeout
         self.on_finished = on_finished
         self.command = command
@@ -97,7 +115,7 @@ class Binder:
         """Returns the writes made and the members this job moved to vfio-pci, each with the
         `driver_override` it had before (what a give-back restores); the latter also when the
         job failed and left some there, as a rollback that failed does."""
-        answer = await self._run("bind", group, members, sysfs=str(sysfs_root), dev=str(dev_root), timeout=timeout)
+        answer = await self._run("bind", group, members, (sysfs_root, dev_root), timeout=timeout)
         return int(answer["writes"]), answer.get("moved") or {}
 
     async def release(
@@ -109,8 +127,8 @@ class Binder:
         timeout: float,
         overrides: Mapping[str, str] | None = None,
     ) -> int:
-        answer = await self._run("release", group, members, sysfs=str(sysfs_root), dev=str(dev_root), timeout=timeout,
-                               overrides=dict(overrides or {}))  # fmt: skip
+        answer = await self._run("release", group, members, (sysfs_root, dev_root), timeout=timeout,
+                                 overrides=dict(overrides or {}))  # fmt: skip
         return int(answer["writes"])
 
     async def close(self) -> None:
@@ -126,11 +144,14 @@ class Binder:
 
     # -- the parent's side -------------------------------------------------------------------
 
-    async def _run(self, op: str, group: int, members: list[str], **args: Any) -> dict[str, Any]:
+    def _roots(self, sysfs_root: Path, dev_root: Path) -> Roots:
+        return Roots(Path(sysfs_root), Path(dev_root), self.proc_root, self.virtual_functions)
+
+    async def _run(self, op: str, group: int, members: list[str], roots: tuple[Path, Path], **args: Any) -> dict[str, Any]:
         if group in self.overdue:
             raise BindError("WriteBlocked", self.overdue[group].message(self.deadline))
         async with self._lock:
-            worker = await self._ready_worker()
+            worker = await self._ready_worker(self._roots(*roots))
             job = {"id": next(self._ids), "op": op, "group": group, "members": members, **args}
             assert worker.stdin is not None
             worker.stdin.write(json.dumps(job).encode() + b"\n")
@@ -150,17 +171,24 @@ class Binder:
                 log.warning("%s", late.message(self.deadline))
                 raise BindError("WriteBlocked", late.message(self.deadline)) from None
             except asyncio.CancelledError:
-                # The caller went (SIGTERM mid-scan) with the job still in the child: the child
-                # goes aside, so that no later job reads this one's answer, and its end (an
-                # answer, or death when close() kills it) is collected here.
+                # The caller went (a scan past its own deadline, SIGTERM) with the job still in
+                # the child: the child goes aside, so that no later job reads this one's answer,
+                # and the group counts as overdue until the answer comes (its write may be the
+                # one that blocks: nothing may read what waits for its device lock meanwhile).
+                # Its end (an answer, or death when close() kills it) is collected as a late one.
                 if self._worker is worker:
                     self._worker = None
                 self._set_aside.append(worker)
-                reply.add_done_callback(lambda task: self._collected(worker, task))
+                if not reply.done():
+                    late = Overdue(op, group, tuple(members), time.monotonic(), cancelled=True)
+                    self.overdue[group] = late
+                    reply.add_done_callback(lambda task: self._finished_late(late, worker, task))
+                else:
+                    reply.add_done_callback(lambda task: self._collected(worker, task))
                 raise
         return _outcome(answer)
 
-    async def _ready_worker(self) -> asyncio.subprocess.Process:
+    async def _ready_worker(self, roots: Roots) -> asyncio.subprocess.Process:
         if self._worker is not None and self._worker.returncode is None:
             return self._worker
         if self.socket is not None:
@@ -171,7 +199,7 @@ class Binder:
                                 "is its container running? (kubectl logs <agent pod> -c binder)") from None  # fmt: skip
         else:
             worker = await asyncio.create_subprocess_exec(
-                *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+                *self.command, *roots_arguments(roots), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
             )
         try:
             async with asyncio.timeout(self.start_timeout):
@@ -239,18 +267,51 @@ def _outcome(answer: dict[str, Any]) -> dict[str, Any]:
 # -- the child's side ------------------------------------------------------------------------
 
 
-def _do(job: dict[str, Any]) -> dict[str, Any]:
-    from passthrough.pci import vfio
+def roots_arguments(roots: Roots) -> list[str]:
+    """The command-line arguments that give a binder `roots` (`parse_roots` reads them)."""
+    flags = [f"--sysfs-root={roots.sysfs}", f"--dev-root={roots.dev}", f"--proc-root={roots.proc}"]
+    return flags + (["--sriov-virtual-functions"] if roots.virtual_functions else [])
 
-    sysfs, dev = Path(job["sysfs"]), Path(job["dev"])
-    answer: dict[str, Any] = {"id": job["id"]}
-    before = {a: vfio.state(sysfs, a) for a in job["members"]} if job["op"] == "bind" else {}
+
+def parse_roots(argv: list[str]) -> Roots:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m passthrough.pci.binder")
+    add_roots(parser)
+    return roots_of(parser.parse_args(argv))
+
+
+def add_roots(parser: Any) -> None:
+    """The binder's own roots, as `passthrough binder` and its child take them."""
+    parser.add_argument("--sysfs-root", default="/sys", metavar="DIR", help="the host's sysfs (default /sys)")
+    parser.add_argument("--dev-root", default="/dev", metavar="DIR", help="where /dev/vfio is found (default /dev)")
+    parser.add_argument("--proc-root", default="/proc", metavar="DIR",
+                        help="the host's procfs: which disks are in use (default /proc)")  # fmt: skip
+    parser.add_argument("--sriov-virtual-functions", action="store_true",
+                        help="SR-IOV virtual functions may be moved, as the agent's flag of that name says")  # fmt: skip
+
+
+def roots_of(args: Any) -> Roots:
+    return Roots(Path(args.sysfs_root), Path(args.dev_root), Path(args.proc_root), bool(args.sriov_virtual_functions))
+
+
+def _do(raw: Any, roots: Roots) -> dict[str, Any]:
+    from passthrough.pci import jobs, vfio
+
+    root, dev = roots.sysfs, roots.dev
+    answer: dict[str, Any] = {"id": raw.get("id") if isinstance(raw, dict) else None, "moved": {}}
     try:
-        if job["op"] == "bind":
-            answer["writes"] = vfio.bind_group(sysfs, dev, job["group"], job["members"], job["timeout"])
+        job = jobs.judge(raw, roots)
+    except BindError as exc:
+        log.warning("%s", exc)
+        return {**answer, "reason": exc.reason, "message": str(exc)}
+    before = {a: vfio.state(root, a) for a in job.members} if job.op == "bind" else {}
+    try:
+        if job.op == "bind":
+            answer["writes"] = vfio.bind_group(root, dev, job.group, list(job.members), job.timeout)
         else:
-            answer["writes"] = vfio.release_group(sysfs, dev, job["group"], job["members"], job["timeout"],
-                                                  overrides=job.get("overrides"))  # fmt: skip
+            answer["writes"] = vfio.release_group(root, dev, job.group, list(job.members), job.timeout,
+                                                  overrides=job.overrides)  # fmt: skip
     except BindError as exc:
         answer.update(reason=exc.reason, message=str(exc))
     except Exception as exc:  # a bug must not take the channel down: say it, and go on
@@ -258,25 +319,31 @@ def _do(job: dict[str, Any]) -> dict[str, Any]:
     # What this job moved to vfio-pci, success or not: only that is the agent's to give back.
     answer["moved"] = {
         a: override for a, (driver, override) in before.items()
-        if driver not in (None, vfio.VFIO_DRIVER) and vfio.state(sysfs, a)[0] == vfio.VFIO_DRIVER
+        if driver not in (None, vfio.VFIO_DRIVER) and vfio.state(root, a)[0] == vfio.VFIO_DRIVER
     }
     return answer
 
 
-def _speak(lines: Iterable[str], out: IO[str]) -> None:
+def _speak(lines: Iterable[str], out: IO[str], roots: Roots) -> None:
     """The binder's side of the channel: a hello, then one answer per job, until the input ends."""
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in lines:
         if line.strip():
-            out.write(json.dumps(_do(json.loads(line))) + "\n")
+            try:
+                raw = json.loads(line)
+            except ValueError:
+                raw = None  # refused as not a job, like any other shape
+            out.write(json.dumps(_do(raw, roots)) + "\n")
             out.flush()
 
 
 def main() -> None:
     # A terminal's Ctrl-C reaches the whole process group: the agent stops this child itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _speak(sys.stdin, sys.stdout)
+    roots = parse_roots(sys.argv[1:])
+    sysfs.confine(roots.sysfs)
+    _speak(sys.stdin, sys.stdout, roots)
 
 
 class _Connection:
@@ -298,11 +365,14 @@ class _Connection:
 
 class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
     block_on_close = False  # a child blocked in the kernel must not hold up the container's stop
+    roots: Roots
 
 
 class _Handler(socketserver.StreamRequestHandler):
+    server: _Server
+
     def handle(self) -> None:
-        _speak((line.decode() for line in self.rfile), _Text(self.wfile))
+        _speak((line.decode(errors="replace") for line in self.rfile), _Text(self.wfile), self.server.roots)
 
 
 class _Text:
@@ -316,23 +386,26 @@ class _Text:
         self.raw.flush()
 
 
-def serve(path: Path) -> None:
+def serve(path: Path, roots: Roots) -> None:
     """`passthrough binder --listen PATH`: a child per connection, so a job blocked in the kernel
-    holds up only its own connection; until SIGTERM."""
+    holds up only its own connection; until SIGTERM. Jobs are judged against `roots`, and
+    nothing but the bind files below its sysfs is written."""
     path = Path(path)
+    sysfs.confine(roots.sysfs)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with _Server(str(path), _Handler) as server:
+        server.roots = roots
         os.chmod(path, 0o600)  # the agent runs as root too; nobody else on the node may ask
-        log.info("binder listening on %s", path)
+        log.info("binder listening on %s (sysfs %s, /dev %s, /proc %s)", path, roots.sysfs, roots.dev, roots.proc)
         server.serve_forever()
 
 
 def run(args: Any) -> int:
     """`passthrough binder`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(Path(args.listen))
+    serve(Path(args.listen), roots_of(args))
     return 0
 
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from passthrough.pci import naming, sysfs
+from passthrough.pci import naming, overrides, sysfs
 from passthrough.pci.disks import Blocks, Usage, block_in_use
 from passthrough.pci.pciids import PciIds
 from passthrough.pci.sysfs import SysfsError
@@ -159,10 +159,13 @@ class _Found:
 
 def discover(
     sysfs_root: Path, proc_root: Path, pci_ids: PciIds, locked: Container[str] = (), *, virtual_functions: bool = False,
+    read_overrides: Callable[[Mapping[str, Path]], Mapping[str, str]] = overrides.in_process,
 ) -> Discovery:  # fmt: skip
     """`locked`: devices with a sysfs write in flight, whose `driver_override` is not read (a read
-    waits for the device lock that write holds). `virtual_functions`: SR-IOV VFs are reported
-    and may be eligible (the admin's opt-in); otherwise they are left out."""
+    waits for the device lock that write holds). `read_overrides`: how the overrides of devices
+    without a driver are read (the agent's `overrides.Isolated` leaves out a device whose read
+    blocks, for a write it did not know of). `virtual_functions`: SR-IOV VFs are reported and
+    may be eligible (the admin's opt-in); otherwise they are left out."""
     sysfs_root, proc_root = Path(sysfs_root), Path(proc_root)
     problems: list[str] = []
     node = NodeState(iommu_enabled=_iommu_enabled(sysfs_root), vfio_available=vfio_available(sysfs_root))
@@ -178,9 +181,13 @@ def discover(
         if not ADDRESS.fullmatch(address):
             problems.append(f"{devices_dir / address} is not named like a PCI address (0000:3b:00.0); ignored")
             continue
-        device = _read_device(devices_dir / address, address, address in locked)
+        device = _read_device(devices_dir / address, address)
         if device is not None:
             found[address] = device
+    # All a driver_override tells is why a device has no driver.
+    unread = {a: d.entry for a, d in found.items() if not d.driver and d.path.is_dir() and a not in locked}
+    for address, override in read_overrides(unread).items():
+        found[address].driver_override = override
     blocks = _attach(found, sysfs_root, problems)
 
     usage = Usage.read(proc_root, sysfs_root, blocks, problems)
@@ -215,7 +222,7 @@ def vfio_available(sysfs_root: Path) -> bool:
 # --- Reading ----------------------------------------------------------------------------
 
 
-def _read_device(entry: Path, address: str, locked: bool = False) -> _Found | None:
+def _read_device(entry: Path, address: str) -> _Found | None:
     """One device's attributes; None when it vanished while being read (hot-unplug)."""
     if not os.path.lexists(entry):
         return None
@@ -229,8 +236,6 @@ def _read_device(entry: Path, address: str, locked: bool = False) -> _Found | No
     device.subsystem_vendor_id = device.attempt(sysfs.read_hex, entry / "subsystem_vendor", 4, default="")
     device.subsystem_device_id = device.attempt(sysfs.read_hex, entry / "subsystem_device", 4, default="")
     device.driver = device.attempt(sysfs.link_name, entry / "driver", default="")
-    if not device.driver and not locked:  # all it tells is why a device has no driver
-        device.driver_override = _driver_override(entry)
     # Without CONFIG_NUMA the kernel has no numa_node file at all.
     device.numa_node = device.attempt(sysfs.read_int, entry / "numa_node", -1, default=-1)
     if device.numa_node < -1:
@@ -249,15 +254,6 @@ def _read_device(entry: Path, address: str, locked: bool = False) -> _Found | No
     if device.problems and not os.path.lexists(entry):
         return None
     return device
-
-
-def _driver_override(entry: Path) -> str:
-    # Only a hint of why a device has no driver: an unreadable file is not a problem of the device.
-    try:
-        value = sysfs.read_text(entry / "driver_override")
-    except SysfsError:
-        return ""
-    return "" if value == "(null)" else value
 
 
 def _attach(found: dict[str, _Found], sysfs_root: Path, problems: list[str]) -> Blocks:

@@ -25,15 +25,41 @@ class SysfsWriteError(SysfsError):
         self.errno = errno
 
 
+# The files the bind sequence writes, and the only ones a confined process (the binder) may.
+BIND_FILES = frozenset({"driver_override", "unbind", "bind", "drivers_probe"})
+_beneath: str | None = None  # set by `confine`: the real path every write must resolve under
+
+
+def confine(root: Path) -> None:
+    """From now on this process writes only the bind files, and only below `root` (its real
+    path): a write anywhere else is refused before the file is opened."""
+    global _beneath
+    _beneath = os.path.realpath(root)
+
+
+def _check_confined(path: Path) -> None:
+    if _beneath is None:
+        return
+    name = os.path.basename(path)
+    parent = os.path.realpath(os.path.dirname(path))
+    if name not in BIND_FILES:
+        raise SysfsWriteError(f"{path} is not a file the bind sequence writes ({', '.join(sorted(BIND_FILES))})", path, None)
+    if os.path.commonpath([parent, _beneath]) != _beneath:
+        raise SysfsWriteError(f"{path} leads to {parent}, outside {_beneath}", path, None)
+
+
 def write_text(path: Path, text: str) -> None:
     """Write `text` to a sysfs attribute in one write(2), as `echo -n text > path` does.
 
     Never creates a file: an attribute that is not there is an error (its device is gone),
-    and the kernel takes a value only whole, so a short write is an error too.
+    and the kernel takes a value only whole, so a short write is an error too. Never follows
+    a symlink in the last component (sysfs attributes are regular files; a link there was
+    put by someone else), and in a confined process (`confine`) writes only the bind files.
     """
     data = text.encode("ascii")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        _check_confined(path)
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             written = os.write(fd, data)
         finally:
@@ -98,6 +124,15 @@ def link_name(path: Path) -> str:
     if not path.exists():
         raise SysfsError(f"{path} points to {target}, which does not exist")
     return os.path.basename(target)
+
+
+def driver_of(entry: Path) -> str | None:
+    """A device's driver by its `driver` link ("" when it has none), None when the device is gone
+    (`entry`: its directory). A readlink takes no device lock: it never waits behind a write."""
+    try:
+        return os.path.basename(os.readlink(os.path.join(entry, "driver")))
+    except OSError:
+        return "" if os.path.lexists(entry) else None
 
 
 def entries(path: Path) -> list[str]:
