@@ -42,6 +42,7 @@ from pathlib import Path
 from e2e import build, chart, fakesysfs, kubelet
 from e2e.cluster import REPO, LocalCluster, _die_with_parent, prepare
 from e2e.processes import WebhookServing
+from passthrough.pci.naming import node_pci_device_name
 
 WORKDIR = Path(os.environ.get("PASSTHROUGH_DEVCLUSTER_DIR") or REPO / ".devcluster")
 PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
@@ -49,6 +50,12 @@ GPU_NODE = "gpu-node-1"
 GPU_MODE_LABEL = "passthrough.io/gpu-passthrough"
 NODES = {GPU_NODE: fakesysfs.gpu_node, "storage-node-1": fakesysfs.storage_node}
 EXPECTED_DEVICES = 7  # 2 GPUs + 2 audio functions, 2 NICs + 1 NVMe drive
+# The walkthroughs' devices, the same in both modes and in the docs: the GPU a tenant is given
+# first, and the one the GPU-pool walkthrough assigns beside it (names are a hash of address,
+# IDs and node, so they are the same on every run).
+FIRST_GPU = node_pci_device_name("0000:3b:00.0", "10de", "2236", GPU_NODE)  # pci-9ace36ad...
+SECOND_GPU = node_pci_device_name("0000:af:00.0", "10de", "2236", GPU_NODE)  # pci-892226a0...
+TENANT = "team-a"
 
 KUBEVIRT = {
     "apiVersion": "kubevirt.io/v1",
@@ -118,6 +125,37 @@ def _wait_until(check, what: str, children: dict[str, subprocess.Popen], logs: P
         if time.monotonic() > deadline:
             raise RuntimeError(f"no {what} in {timeout:.0f}s; see {logs}")
         time.sleep(0.3)
+
+
+def hints(kubeconfig: Path, kubectl: Path, dra: bool, containers: Path | None) -> list[str]:
+    """What `make run` prints to use the cluster from another shell: the same walkthrough in both
+    modes (the docs' first steps, with the same device), then what only one mode has. Each line
+    that starts with `  kubectl` runs as printed, once the two lines before it are run."""
+    patch = '{"spec":{"assignedNamespace":"%s"}}' % TENANT
+    steps = [
+        ("kubectl get npci -o wide", "every device of both nodes, FIRST_GPU at 0000:3b:00.0 of gpu-node-1"),
+        (f"kubectl create namespace {TENANT}", ""),
+        (f"kubectl patch npci {FIRST_GPU} --type=merge -p '{patch}'", ""),
+        (f"kubectl get pci -n {TENANT}", "its PCIDevice: READY, ATTACHED"),
+        (f"kubectl describe npci {FIRST_GPU}", "Assigned: how a VM of the namespace uses it"),
+        ("kubectl get passthroughconfig cluster -o yaml", "what was applied to KubeVirt, and mismatches"),
+        ("kubectl get kubevirt -n kubevirt kubevirt -o yaml", "permittedHostDevices and feature gates"),
+    ]
+    if dra:
+        steps += [(f"kubectl get deviceclass passthrough-{TENANT}", f"the operator's class for {TENANT}'s devices"),
+                  ("kubectl get resourceslice -o yaml", f"the node's slice: passthrough.io/namespace={TENANT}")]  # fmt: skip
+    elif containers is not None:
+        steps.append((f"kubectl get node {GPU_NODE} -o jsonpath='{{.status.allocatable}}'", "the pool, and the assigned GPU"))
+    width = max(len(command) for command, _ in steps if len(command) < 60)
+    lines = ["Use the cluster from another shell:", f"  export KUBECONFIG={kubeconfig}", f"  alias kubectl={kubectl}"]
+    lines += [f"  {command.ljust(width)}   # {why}".replace("FIRST_GPU", FIRST_GPU[:12] + "...") if why else f"  {command}"
+              for command, why in steps]  # fmt: skip
+    if containers is not None:
+        way = (f"a claim of class passthrough-{TENANT} and a pod using it: the container gets CDI devices (docs/tasks/dra.md)"
+               if dra else f"a pod of {TENANT} asking for passthrough.io/{FIRST_GPU} gets its address in "
+               "PCI_RESOURCE_PASSTHROUGH_IO_<NAME> (docs/tasks/gpu-pools.md)")  # fmt: skip
+        lines += [f"  # {way}", f"  # the fake runtime's record of each container: {containers}"]
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -199,36 +237,15 @@ def main(argv: list[str] | None = None) -> int:
             _wait_until(lambda: listed("resourceslices") >= len(NODES), "a ResourceSlice of each node", children, logs)
         time.sleep(1)  # let the operator write the first conditions
 
-        gpu = next(
-            line.split()[0]
-            for line in cluster.kubectl("get", "npci", "-o", "wide").stdout.splitlines()
-            if "nvidia.com/GA102GL_A10" in line
-        )
-        kubectl = f"{cluster.bin_dir}/kubectl"
         _say("")
         _say(f"$ kubectl get npci   (ready in {time.monotonic() - started:.1f}s)")
         _say(cluster.kubectl("get", "npci").stdout)
         if args.dra:
             _say("$ kubectl get resourceslices")
             _say(cluster.kubectl("get", "resourceslices").stdout)
-        _say("Use the cluster from another shell:")
-        _say(f"  export KUBECONFIG={cluster.kubeconfig}")
-        _say(f"  alias kubectl={kubectl}")
-        _say("  kubectl get npci -o wide")
-        _say("  kubectl create namespace team-a")
-        _say(f"  kubectl patch npci {gpu} --type=merge -p '{{\"spec\":{{\"assignedNamespace\":\"team-a\"}}}}'")
-        _say("  kubectl get pci -n team-a")
-        if args.dra:
-            _say("  kubectl get deviceclass passthrough-team-a              # the operator's class for team-a's devices")
-            _say("  kubectl get resourceslice -o yaml                       # the node's slice: passthrough.io/namespace=team-a")
-            if gpu_kubelet is not None:
-                _say("  # a claim of class passthrough-team-a and a pod using it: the container gets CDI devices; see README")
-                _say(f"  # the fake runtime's record of each container: {gpu_kubelet.containers_file}")
-        elif not no_kubelet:
-            _say(f"  kubectl get node {GPU_NODE} -o jsonpath='{{.status.allocatable}}'   # the pool, then passthrough.io/<name>")
-            _say("  # a pod asking for passthrough.io/<name> gets PCI_RESOURCE_PASSTHROUGH_IO_<NAME>=<address>: see README")
-        _say("  kubectl get passthroughconfig cluster -o yaml        # what was applied to KubeVirt, and mismatches")
-        _say("  kubectl get kubevirt -n kubevirt kubevirt -o yaml     # permittedHostDevices and feature gates")
+        containers = gpu_kubelet.containers_file if gpu_kubelet is not None else None
+        for line in hints(cluster.kubeconfig, cluster.bin_dir / "kubectl", args.dra, containers):
+            _say(line)
         _say(f"Logs: {logs}/   Ctrl-C stops everything.")
 
         while not stopping:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import kubelet, support
+from e2e import devcluster, kubelet, support
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.cluster
@@ -69,12 +69,37 @@ def kubectl_of(cluster, workdir: Path) -> Callable[..., subprocess.CompletedProc
     return run
 
 
+def run_printed(output: str, retry: float = 30) -> list[str]:
+    """Run the commands `make run` printed for another shell, as printed: its `export` and `alias`
+    lines, then each `kubectl` line in order, each until it succeeds (the operator may still be at
+    work on the step before, as it would be for a reader). Returns the commands without their comments."""
+    block = output.split("Use the cluster from another shell:\n", 1)[1].split("Logs: ", 1)[0]
+    lines = [line.strip() for line in block.splitlines()]
+    setup = [line for line in lines if line.startswith(("export KUBECONFIG=", "alias kubectl="))]
+    commands = [line for line in lines if line.startswith("kubectl ")]
+    assert len(setup) == 2 and commands, output
+    for command in commands:
+        def ran(command=command):
+            result = subprocess.run(["bash", "-c", "\n".join(["shopt -s expand_aliases", *setup, command])],
+                                    capture_output=True, text=True, timeout=30)  # fmt: skip
+            return result if result.returncode == 0 else None
+
+        eventually(ran, retry, lambda command=command: f"{command!r} to succeed")
+    return [command.split("   #")[0].strip() for command in commands]
+
+
 def eventually(check: Callable[[], object], timeout: float, what: Callable[[], str]) -> object:
     deadline = time.monotonic() + timeout
     while not (value := check()):
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what()}"
         time.sleep(0.5)
     return value
+
+
+def common_steps(workdir: Path) -> list[str]:
+    """The first steps `make run` prints in both modes (devcluster.hints without its comments)."""
+    said = devcluster.hints(workdir / "kubeconfig", Path("kubectl"), dra=False, containers=None)
+    return [line.split("   #")[0].strip() for line in said if line.strip().startswith("kubectl ")]
 
 
 def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, tmp_path):
@@ -100,6 +125,14 @@ def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, t
             time.sleep(0.5)  # the operator's webhook may not listen yet
         assert refused.returncode != 0 and "denied the request" in refused.stderr, refused.stderr
         assert f"passthrough.io/{gpu}" in refused.stderr
+        # The walkthrough it printed runs as printed, and gives the docs' first GPU to team-a; the
+        # steps are the DRA mode's, and the container records are named where a kubelet runs.
+        commands = run_printed(output)
+        assert commands[:7] == common_steps(workdir), commands
+        eventually(lambda: kubectl("get", "pci", "-n", "team-a", devcluster.FIRST_GPU).returncode == 0, 30,
+                   lambda: f"PCIDevice team-a/{devcluster.FIRST_GPU}")  # fmt: skip
+        if not kubelet.why_unavailable(cluster):
+            assert "the fake runtime's record of each container: " in output, output
 
 
 CLAIM_AND_POD = """
@@ -140,13 +173,12 @@ def test_the_dev_cluster_in_dra_mode_publishes_slices_and_a_claim_gets_the_gpu(r
         assert "HostDevicesWithDRA" in gates.stdout, gates.stdout + gates.stderr
         [record_file] = re.findall(r"record of each container: (\S+)", output)
 
-        wide = kubectl("get", "npci", "-o", "wide").stdout
-        gpu = next(line.split()[0] for line in wide.splitlines() if "nvidia.com/GA102GL_A10" in line)
+        # The walkthrough it printed, as printed: the same first steps as without DRA.
+        assert run_printed(output)[:7] == common_steps(workdir)
+        gpu = devcluster.FIRST_GPU
         address = kubectl("get", "npci", gpu, "-o", "jsonpath={.status.attributes.pciAddress}").stdout
+        assert address == "0000:3b:00.0"
         device = "pci-" + address.replace(":", "-").replace(".", "-")
-        assert kubectl("create", "namespace", "team-a").returncode == 0
-        patched = kubectl("patch", "npci", gpu, "--type=merge", "-p", '{"spec":{"assignedNamespace":"team-a"}}')
-        assert patched.returncode == 0, patched.stderr
 
         def team_a_device():
             got = kubectl("get", "resourceslice", "gpu-node-1-pci.passthrough.io", "-o", "json")
