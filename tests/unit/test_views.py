@@ -55,3 +55,15 @@ def test_the_assignment_time_is_the_latest_write_of_spec_assigned_namespace_in_m
     ]}, "spec": {"assignedNamespace": "team-a"}}  # fmt: skip
     assert views.NodeDevice.of(body).assigned_at == "2026-11-29T11:05:00Z"
     assert views.NodeDevice.of({**body, "spec": {}}).assigned_at == ""
+
+
+def test_an_owner_of_the_assignment_that_owns_more_dates_it_no_later_than_the_object():
+    """Its time moved with whatever else it changed since (a label, by the same `kubectl patch`):
+    the assignment is then known only to be no older than the object itself."""
+    body = {"metadata": {"name": NAME, "creationTimestamp": "2026-11-29T10:00:00Z", "managedFields": [
+        {"manager": "kubectl-patch", "time": "2026-11-29T11:00:00Z", "fieldsV1": {"f:spec": {".": {}, "f:assignedNamespace": {}}}},
+    ]}, "spec": {"assignedNamespace": "team-a"}}  # fmt: skip
+    assert views.NodeDevice.of(body).assigned_at == "2026-11-29T11:00:00Z"
+    body["metadata"]["managedFields"][0] = {"manager": "kubectl-patch", "time": "2026-11-29T12:00:00Z", "fieldsV1": {
+        "f:metadata": {"f:labels": {"f:team": {}}}, "f:spec": {".": {}, "f:assignedNamespace": {}}}}  # fmt: skip
+    assert views.NodeDevice.of(body).assigned_at == "2026-11-29T10:00:00Z"

@@ -46,16 +46,35 @@ def _holders(raw: Any) -> tuple[tuple[str, str, str], ...]:
     return tuple(tuple(sys.intern(str(h.get(k) or "")) for k in ("namespace", "pod", "resource")) for h in found)  # type: ignore[misc]
 
 
+# What an assignment's own managedFields entry may hold of spec: the device admin's confirmation
+# goes with it, and "." is spec itself, where the same write made it.
+_ASSIGNMENT_FIELDS = frozenset({"f:assignedNamespace", "f:confirmedNamespaceUID", "."})
+
+
 def _assigned_at(meta: Mapping[str, Any]) -> str:
-    """When spec.assignedNamespace was last written, as the API server recorded it (managedFields:
-    the latest time among the managers that own the field); "" when no record says."""
-    times = [
-        entry.get("time") or ""
-        for entry in meta.get("managedFields") or []
+    """When spec.assignedNamespace was written, as far as the API server's record proves it; ""
+    when no record says.
+
+    An entry of managedFields is stamped whenever its manager changes any field it owns, so its
+    time is the assignment's only while it owns nothing but the assignment (and its
+    confirmation); then the latest such entry's time. Where an owner of the field owns more (the
+    same `kubectl patch` later set a label), the assignment can be no older than the object:
+    its creationTimestamp, so that a namespace made since is asked about, never trusted."""
+    owners = [
+        entry for entry in meta.get("managedFields") or []
         if isinstance(entry, Mapping) and not entry.get("subresource")
         and "f:assignedNamespace" in (((entry.get("fieldsV1") or {}).get("f:spec")) or {})
     ]  # fmt: skip
-    return max(times, default="")
+    if not owners:
+        return ""
+    if all(_owns_only_the_assignment(entry.get("fieldsV1") or {}) for entry in owners):
+        return max(entry.get("time") or "" for entry in owners)
+    return str(meta.get("creationTimestamp") or "")
+
+
+def _owns_only_the_assignment(fields: Mapping[str, Any]) -> bool:
+    spec = fields.get("f:spec")
+    return set(fields) == {"f:spec"} and isinstance(spec, Mapping) and set(spec) <= _ASSIGNMENT_FIELDS
 
 
 @dataclass(frozen=True, slots=True)
