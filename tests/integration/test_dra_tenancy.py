@@ -245,6 +245,84 @@ async def test_each_namespace_with_devices_has_its_device_class_that_no_other_na
     await published(api, kubelet, agent, {})
 
 
+async def test_a_namespaces_class_is_its_own_before_it_exists(api, webhooks, namespace, unique):
+    """`passthrough-<namespace>` belongs to that namespace by its name: team-b may not name
+    team-a's class before team-a has a device (a claim made then would be allocated the moment
+    the class appeared), neither in a claim nor in a claim template; team-a may."""
+    team_a, team_b = namespace, await support.create_namespace(api, f"team-b-{unique}")
+    own = f"passthrough-{team_a}"
+    assert await live_class(api, own) is None
+    try:
+        with pytest.raises(ApiError) as refused:
+            await create_claim(api, team_b, claim("early", own))
+        assert refused.value.status == 403, refused.value.body
+        assert (f"ResourceClaim {team_b}/early: request gpu names DeviceClass {own}, which selects the devices of another "
+                f"namespace; a claim of {team_b} names passthrough-{team_b}, which the operator makes once a device "
+                f"is assigned to {team_b}, or passthrough-pool.gpu for an unassigned GPU.") in refused.value.message, refused.value.message  # fmt: skip
+        template = {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "early"},
+            "spec": {"spec": claim("early", own)["spec"]},
+        }  # fmt: skip
+        with pytest.raises(ApiError) as refused:
+            await session_of(api).request("POST", f"{RESOURCE}/namespaces/{team_b}/resourceclaimtemplates", body=template)
+        assert f"names DeviceClass {own}, which selects the devices of another namespace" in refused.value.message
+        await create_claim(api, team_a, claim("early", own))
+    finally:
+        await client.CoreV1Api(api).delete_namespace(team_b)
+
+
+def extended_pod(name: str, device_class: str) -> dict:
+    """A pod asking for a device by the extended resource every DeviceClass has (KEP-5004): the
+    scheduler makes the claim itself, in the pod's namespace."""
+    resource = f"deviceclass.resource.kubernetes.io/{device_class}"
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {
+            "automountServiceAccountToken": False, "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "compute", "image": "virt-launcher:test", "env": [{"name": "MARK", "value": name}],
+                            "resources": {"limits": {resource: "1"}, "requests": {resource: "1"}}}],
+        },
+    }  # fmt: skip
+
+
+async def test_a_device_asked_for_as_an_extended_resource_stays_in_its_namespace(
+    api, kubelet, agent, webhooks, operator, namespace, unique
+):
+    """DRA-backed extended resources: no claim of the tenant's, the scheduler writes one from the
+    pod's limits. team-b's pod asking for `deviceclass.resource.kubernetes.io/passthrough-<team-a>`
+    makes the scheduler create a claim of team-a's class in team-b, which the claim webhook refuses:
+    the pod stays Pending and the scheduler says why. team-a's pod asking the same way gets it."""
+    core = client.CoreV1Api(api)
+    team_a, team_b = namespace, await support.create_namespace(api, f"team-b-{unique}")
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    own = f"passthrough-{team_a}"
+    await support.assign(api, names[GPU], team_a)
+    try:
+        await published(api, kubelet, agent, {DEVICE: team_a})
+        await support.wait_for(lambda: live_class(api, own), 30, 0.2, what=f"DeviceClass {own}")
+        await support.create_pod(api, team_b, extended_pod("b-extended", own))
+
+        async def refused():
+            events = await core.list_namespaced_event(team_b, field_selector="involvedObject.name=b-extended")
+            return next((e.message for e in events.items if "selects the devices of another namespace" in (e.message or "")), None)
+
+        said = await support.wait_for(refused, 60, 0.2, what="the scheduler's report of the refused claim")
+        assert f"names DeviceClass {own}" in said, said
+        assert not (await core.read_namespaced_pod("b-extended", team_b)).spec.node_name
+
+        await support.create_pod(api, team_a, extended_pod("a-extended", own))
+        await created(core, team_a, kubelet, "a-extended", timeout=90)
+        assert not (await core.read_namespaced_pod("b-extended", team_b)).spec.node_name
+        assert not any(c.get("envs", {}).get("MARK") == "b-extended" for c in kubelet.created_containers())
+    finally:
+        await support.delete_pod(api, team_b, "b-extended")
+        await support.delete_pod(api, team_a, "a-extended")
+        await support.wait_for(lambda: _unprepared(kubelet), 30, what="team-a's claim unprepared")
+        await support.assign(api, names[GPU], "")
+        await core.delete_namespace(team_b)
+    await published(api, kubelet, agent, {})
+
+
 async def _gone(api, name: str) -> bool:
     return await live_class(api, name) is None
 
@@ -266,6 +344,37 @@ async def test_admin_access_to_a_passthrough_class_is_refused(api, webhooks, nam
     assert "adminAccess" in refused.value.message, refused.value.body
     # Without adminAccess the same claim is nothing the webhook is asked about.
     await create_claim(api, namespace, claim("plain", f"passthrough-{namespace}"))
+
+
+async def test_an_allocation_with_admin_access_is_refused_whatever_the_class(
+    api, kubelet, agent, webhooks, operator, namespace, device_class
+):
+    """adminAccess through a class that is not a passthrough- one (the claim webhook is not asked):
+    the scheduler allocates the namespace's own GPU with adminAccess, and the allocation gate
+    refuses it; the pod stays Pending."""
+    core = client.CoreV1Api(api)
+    await core.patch_namespace(namespace, {"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}})
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    await support.assign(api, names[GPU], namespace)
+    try:
+        await published(api, kubelet, agent, {DEVICE: namespace})
+        before = await denied(operator)
+        await create_claim(api, namespace, claim("peek", device_class, adminAccess=True))
+        await support.create_pod(api, namespace, claim_pod("peek-launcher", "peek"))
+
+        async def decided():
+            allocated = ((await read_claim(api, namespace, "peek")).get("status") or {}).get("allocation")
+            return {"allocated": allocated} if allocated else await denied(operator) > before
+
+        outcome = await support.wait_for(decided, 30, 0.2, what="the scheduler's adminAccess allocation refused")
+        assert outcome is True, f"the adminAccess claim was allocated: {outcome}"
+        assert not (await core.read_namespaced_pod("peek-launcher", namespace)).spec.node_name
+        assert not any(c.get("envs", {}).get("MARK") == "peek-launcher" for c in kubelet.created_containers())
+    finally:
+        await support.delete_pod(api, namespace, "peek-launcher")
+        await _release_quietly(api, namespace, "peek")
+        await support.assign(api, names[GPU], "")
+    await published(api, kubelet, agent, {})
 
 
 async def test_a_claim_of_two_devices_in_one_request_is_admitted_with_a_warning_that_a_vm_cannot_use_it(

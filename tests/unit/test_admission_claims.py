@@ -165,8 +165,7 @@ def test_malformed_claims_are_judged_without_raising():
 def test_a_claim_naming_another_namespaces_class_is_refused_its_own_admitted():
     spec = devices({"name": "gpu", "exactly": {"deviceClassName": "passthrough-team-a"}},
                    {"name": "alt", "firstAvailable": [{"name": "x", "deviceClassName": "passthrough-team-a"}]})  # fmt: skip
-    owners = {"passthrough-team-a": "team-a"}
-    verdict = claims.judge_claim("ResourceClaim", "team-b", "stolen", spec, owners)
+    verdict = claims.judge_claim("ResourceClaim", "team-b", "stolen", spec)
     assert verdict.refusal == (
         "ResourceClaim team-b/stolen: request gpu names DeviceClass passthrough-team-a, which selects the devices of "
         "another namespace; a claim of team-b names passthrough-team-b, which the operator makes once a device is "
@@ -175,6 +174,14 @@ def test_a_claim_naming_another_namespaces_class_is_refused_its_own_admitted():
         "passthrough-team-b, which the operator makes once a device is assigned to team-b, or passthrough-pool.gpu "
         "for an unassigned GPU."
     )
-    assert claims.judge_claim("ResourceClaim", "team-a", "vm", spec, owners).allowed
-    # A passthrough- class that is not the operator's (no owner) is judged only for adminAccess.
-    assert claims.judge_claim("ResourceClaim", "team-b", "x", spec, {}).allowed
+    assert claims.judge_claim("ResourceClaim", "team-a", "vm", spec).allowed
+
+
+def test_the_owner_of_a_class_follows_from_its_name_alone():
+    assert claims.class_owner("passthrough-team-a") == "team-a"  # whether the class exists yet or not
+    # The pool's class, names no namespace can have, and other classes: nobody's.
+    for name in (claims.POOL_CLASS, "passthrough-", "passthrough-Team", "passthrough-a.b", "passthrough-" + "a" * 64, "gpu.example.com"):
+        assert claims.class_owner(name) == "", name
+    # A passthrough- class that is no namespace's is judged only for adminAccess.
+    odd = devices({"name": "gpu", "exactly": {"deviceClassName": "passthrough-a.b"}})
+    assert claims.judge_claim("ResourceClaim", "team-b", "x", odd).allowed

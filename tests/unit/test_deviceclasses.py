@@ -3,6 +3,7 @@ there (none when the live ones are as they should be)."""
 
 from __future__ import annotations
 
+from passthrough.admission.claims import class_owner
 from passthrough.controller import deviceclasses as dc
 from tests.unit.test_admission_claims import NS, NS_UID, node_device
 
@@ -42,7 +43,7 @@ def test_the_pool_has_a_class_of_its_own_always_that_no_namespace_can_have_and_e
         'device.driver == "pci.passthrough.io" && device.attributes["passthrough.io"].namespace == ""'}}]  # fmt: skip
     # No namespace's class is it (a namespace name has no dot), and the webhook sees no owner in it.
     assert dc.class_name("pool") != dc.POOL_CLASS and "." in dc.POOL_CLASS
-    assert dc.owner(dc.POOL_CLASS, live(dc.POOL, "team-a")) == ""
+    assert class_owner(dc.POOL_CLASS) == ""
 
 
 def test_the_class_of_a_namespace_whose_last_device_left_is_deleted_and_others_classes_are_left_alone():
@@ -50,6 +51,6 @@ def test_the_class_of_a_namespace_whose_last_device_left_is_deleted_and_others_c
     # Labelled as ours under another name: not ours to delete, and no owner for the webhook.
     odd = {**live(dc.POOL), "gpus-for-all": dc.Live("team-a", [])}
     assert dc.plan(set(), odd) == ([], [])
-    assert dc.owner("gpus-for-all", odd) == ""
-    assert dc.owner("passthrough-team-a", live("team-a")) == "team-a"
-    assert dc.owner("passthrough-team-a", {}) == ""
+    assert class_owner("gpus-for-all") == ""
+    # The owner follows from the name, whether the class exists yet or not.
+    assert class_owner(dc.class_name("team-a")) == "team-a"

@@ -11,17 +11,20 @@ agent's ResourceSlices may be allocated it. Two gates keep a claim of namespace 
 - the claim itself (`judge_claim`): no other namespace's DeviceClass `passthrough-<namespace>`
   (the operator's, in DRA mode: controller/deviceclasses.py), and no `adminAccess` on a
   passthrough class (VFIO gives a device to one VM, and admin access would let a claim reach a
-  device another claim holds).
+  device another claim holds). Whose class it is follows from its name (`class_owner`), not from
+  the class: a claim made before the class exists is allocated the moment it appears.
 
 `admission.webhook` feeds them from the operator's indexes.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from passthrough.admission.rules import Verdict
+from passthrough.api.names import DNS1123_LABEL, DNS1123_LABEL_MAX
 from passthrough.api.views import NodeDevice
 from passthrough.dra.slice import DRIVER, device_name
 
@@ -192,12 +195,22 @@ def passthrough_class(name: str) -> bool:
     return name.startswith(CLASS_PREFIX)
 
 
-def judge_claim(kind: str, namespace: str, name: str, devices: Any, owners: Mapping[str, str] | None = None) -> Verdict:
-    """A ResourceClaim's `spec.devices` (or a template's `spec.spec.devices`), on create or update.
-    `owners`: for the operator's per-namespace DeviceClasses (DRA mode), the namespace each is for."""
+def class_owner(device_class: str) -> str:
+    """The namespace whose class `device_class` is: `passthrough-<namespace>` is that namespace's
+    whether the class exists yet or not (the operator makes it with the namespace's first device,
+    and a claim that named it before would be allocated then). "" for the pool's class (a dot: no
+    namespace has it) and every other name."""
+    rest = device_class.removeprefix(CLASS_PREFIX)
+    if rest == device_class or len(rest) > DNS1123_LABEL_MAX or not re.match(DNS1123_LABEL, rest):
+        return ""
+    return rest
+
+
+def judge_claim(kind: str, namespace: str, name: str, devices: Any) -> Verdict:
+    """A ResourceClaim's `spec.devices` (or a template's `spec.spec.devices`), on create or update."""
     problems = []
     for request, device_class, admin in requests(devices):
-        owner = (owners or {}).get(device_class, "")
+        owner = class_owner(device_class)
         if owner and owner != namespace:
             problems.append(f"request {request} names DeviceClass {device_class}, which selects the devices of another "
                             f"namespace; a claim of {namespace} names {CLASS_PREFIX}{namespace}, which the operator "

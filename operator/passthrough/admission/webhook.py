@@ -16,11 +16,11 @@ from typing import Any
 
 import kopf
 
-from passthrough.controller import deviceclasses, metrics
+from passthrough.controller import metrics
 from passthrough.admission import claims, rules
 from passthrough.agent.plan import gpu_mode
 from passthrough.api.views import Device, NodeDevice
-from passthrough.controller.reconciler import DEVICE_CLASSES, DEVICES, DEVICES_BY_NODE, NODE_DEVICES
+from passthrough.controller.reconciler import DEVICES, DEVICES_BY_NODE, NODE_DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -221,27 +221,17 @@ async def validate_claim_allocation(
     _answer(STATUS, claims.judge_allocation(namespace, name, added, reasons), warnings, userinfo)
 
 
-def _owners(devices: Any, index: Mapping[str, Any] | None) -> dict[str, str]:
-    """For each class a claim names, the namespace it is for when it is one of the operator's
-    per-namespace DeviceClasses (their index exists in DRA mode only)."""
-    live = deviceclasses.live_classes(index)
-    return {device_class: deviceclasses.owner(device_class, live) for _, device_class, _ in claims.requests(devices)}
-
-
 @kopf.on.validate("resource.k8s.io", "v1", "resourceclaims", id=CLAIM, operations=["CREATE", "UPDATE"])
 async def validate_claim(
-    spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, warnings: list[str], userinfo: dict[str, Any], **kwargs: Any,
+    spec: kopf.Spec, namespace: str, name: str, meta: kopf.Meta, warnings: list[str], userinfo: dict[str, Any], **_: Any,
 ) -> None:  # fmt: skip
-    devices = dict(spec).get("devices")
-    owners = _owners(devices, kwargs.get(DEVICE_CLASSES))
-    verdict = claims.judge_claim("ResourceClaim", namespace, name or meta.get("generateName", ""), devices, owners)
+    verdict = claims.judge_claim("ResourceClaim", namespace, name or meta.get("generateName", ""), dict(spec).get("devices"))
     _answer("ResourceClaim", verdict, warnings, userinfo)
 
 
 @kopf.on.validate("resource.k8s.io", "v1", "resourceclaimtemplates", id=CLAIM_TEMPLATE, operations=["CREATE", "UPDATE"])
 async def validate_claim_template(
-    spec: kopf.Spec, namespace: str, name: str, warnings: list[str], userinfo: dict[str, Any], **kwargs: Any,
+    spec: kopf.Spec, namespace: str, name: str, warnings: list[str], userinfo: dict[str, Any], **_: Any,
 ) -> None:  # fmt: skip
-    devices = claims.template_devices(dict(spec))
-    verdict = claims.judge_claim("ResourceClaimTemplate", namespace, name, devices, _owners(devices, kwargs.get(DEVICE_CLASSES)))
+    verdict = claims.judge_claim("ResourceClaimTemplate", namespace, name, claims.template_devices(dict(spec)))
     _answer("ResourceClaimTemplate", verdict, warnings, userinfo)

@@ -88,9 +88,3 @@ def plan(wanted: Collection[str], live: Mapping[str, Live]) -> tuple[list[str], 
     apply = [ns for ns in sorted(wanted) if live.get(class_name(ns)) != Live(ns, selectors(ns))]
     delete = sorted(name for name, found in live.items() if found.namespace not in wanted and name == class_name(found.namespace))
     return apply, delete
-
-
-def owner(device_class: str, live: Mapping[str, Live]) -> str:
-    """The namespace a class of ours is for; "" when the class is not ours (or unknown)."""
-    found = live.get(device_class)
-    return found.namespace if found is not None and device_class == class_name(found.namespace) else ""
