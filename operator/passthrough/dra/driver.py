@@ -24,7 +24,10 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
   our own restart finds its files.
 - The node's guarantee, kept here too: a device handed out to namespace X is prepared only for a
   claim of X, whatever the scheduler allocated (the webhook and per-namespace DeviceClasses are
-  the first gates; this is the last).
+  the first gates; this is the last); never with adminAccess; and never for a second claim while
+  one holds it or another member of its IOMMU group (an allocation the scheduler wrote twice, or
+  a claim freed by a force-deleted pod before the kubelet unprepared it: the kubelet retries,
+  and the second claim is prepared once the first is unprepared).
 - One device, one server (`dra.others`): each pass asks the kubelet's PodResources which devices
   device plugins serve (in DRA mode none of theirs is ours) and reads the other DRA drivers'
   slices of this node (a watch); such a device and its IOMMU group leave the slice, are never
@@ -56,7 +59,7 @@ from passthrough.dra import cdi
 from passthrough.dra import health as dra_health
 from passthrough.dra import others as dra_others
 from passthrough.dra import slice as dra_slice
-from passthrough.dra.prepared import PreparedClaim, load_checkpoint, remove_files, save_checkpoint, write_files
+from passthrough.dra.prepared import PreparedClaim, holder, load_checkpoint, remove_files, save_checkpoint, write_files
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
 from passthrough.dra.kubeletapi.drahealth_v1 import api_pb2_grpc as health_grpc
@@ -501,6 +504,16 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                 if item.namespace and item.namespace != namespace:
                     raise PrepareError(f"device {item.name} ({item.device.address}) belongs to namespace {item.namespace}: "
                                        f"a claim of {namespace} never gets it")  # fmt: skip
+                if result.get("adminAccess"):
+                    raise PrepareError(f"device {item.name} ({item.device.address}) is allocated with adminAccess, which "
+                                       "passthrough devices do not allow: VFIO gives a device to one VM at a time")  # fmt: skip
+                other = holder(self.prepared, item.device.iommu_group, uid)
+                if other is not None:
+                    # Whatever the API says: a scheduler's race, or a pod force-deleted before the
+                    # kubelet unprepared its claim, can allocate one device to two claims.
+                    raise PrepareError(f"device {item.name} ({item.device.address}, IOMMU group {item.device.iommu_group}) "
+                                       f"is prepared for claim {other.namespace}/{other.name}: a device and its IOMMU group "
+                                       "go to one claim at a time; this claim is prepared once that one is unprepared")  # fmt: skip
                 chosen.append((result, item))
             groups = self._groups()
             for group in sorted({item.device.iommu_group for _, item in chosen}):

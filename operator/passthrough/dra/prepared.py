@@ -1,8 +1,8 @@
 """What a prepared claim leaves on the node, and the record of it: the CDI specs and KEP-5304
 metadata files the container runtime reads (written whole or not at all, since the runtime may
 read one at any moment), removed again on unprepare; and `checkpoint.json` in the plugin
-directory, so that a repeated prepare answers the same and an unprepare after a restart finds
-its files.
+directory, so that a repeated prepare answers the same, an unprepare after a restart finds its
+files, and no second claim is prepared a device (or IOMMU group) one already holds (`holder`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,16 @@ class PreparedClaim:
     name: str
     devices: list[dict[str, Any]] = field(default_factory=list)  # cdi.PreparedDevice fields + cdi_ids
     files: list[str] = field(default_factory=list)  # CDI specs and metadata files written for it
+
+
+def holder(prepared: Mapping[str, PreparedClaim], iommu_group: int, besides: str) -> PreparedClaim | None:
+    """The claim other than `besides` (a uid) prepared here with a device of `iommu_group`, if
+    any. The group is the unit: its /dev/vfio node goes to whoever holds one of its devices, so
+    a second claim of any member would reach the first one's device."""
+    for uid, claim in sorted(prepared.items()):
+        if uid != besides and any(d.get("iommu_group") == iommu_group for d in claim.devices):
+            return claim
+    return None
 
 
 def write_files(claim: dict[str, Any], devices: list[cdi.PreparedDevice], cdi_dir: Path, plugin_dir: Path) -> PreparedClaim:
