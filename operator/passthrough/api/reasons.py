@@ -134,6 +134,21 @@ REASONS: dict[str, Reason] = {
         "--no-pool-resources, the coexistence mode).",
         _READY, _NODE_SAYS,
     ),
+    "JobRefused": Reason(
+        "The agent's binder container refused a bind or give-back job as malformed or not allowed (members that "
+        "are not the IOMMU group's whole set, an override it may not set); nothing was written.",
+        "Nothing to do on the device: the agent and its binder disagree, which a mismatched image or a "
+        "compromised agent would cause. Check that both containers of the agent's pod run the same image, and "
+        "read the agent's log.",
+        _READY, _NODE_SAYS,
+    ),
+    "NotEligible": Reason(
+        "The agent's binder refused to move the device to vfio-pci because discovery's rules keep it from "
+        "passthrough (a disk in use, an interface that is up, a bridge, ...); nothing was written.",
+        "Read the message: it names the cause, as the device's NotReady would. Free the device on the host, or "
+        "leave it unassigned.",
+        _READY, _NODE_SAYS,
+    ),
     "BoundToVfio": Reason(
         "The agent bound the device's IOMMU group to vfio-pci: it is ready for a VM.",
         "Nothing.",
