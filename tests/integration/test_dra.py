@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
 GPU = "0000:af:00.0"
 AUDIO = "0000:af:00.1"
+OTHER_GPU = "0000:3b:00.0"  # the node's other A10, NUMA node 0
 GROUP = 21
 RESOURCE = "/apis/resource.k8s.io/v1"
 
@@ -208,6 +209,60 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
         return (host.driver(GPU), host.driver(AUDIO)) == ("nvidia", "snd_hda_intel")
 
     await support.wait_for(given_back, 30, what=lambda: f"group {GROUP} given back; agent log:\n{agent.output()[-3000:]}")
+
+
+async def test_a_claim_aligns_two_gpus_by_the_standard_pcie_root_and_numa_node_attributes(
+    api, kubelet, agent, gpu_host, namespace, unique
+):
+    """resource.kubernetes.io/pcieRoot and numaNode as Kubernetes defines them, read by the real
+    scheduler: the node's two A10s hang off one root complex (pci0000:00) on NUMA nodes 0 and 1,
+    so two requests constrained to one pcieRoot are allocated, two constrained to one NUMA node
+    are not."""
+    core = client.CoreV1Api(api)
+    session = session_of(api)
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO, OTHER_GPU))
+    for address in (GPU, OTHER_GPU):
+        await support.assign(api, names[address], namespace)
+    found = await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace, "pci-0000-3b-00-0": namespace})
+    attributes = {d["name"]: d["attributes"] for d in found["spec"]["devices"]}
+    assert attributes["pci-0000-af-00-0"]["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:00"}
+    assert attributes["pci-0000-af-00-0"]["resource.kubernetes.io/numaNode"] == {"int": 1}
+    assert attributes["pci-0000-3b-00-0"]["resource.kubernetes.io/numaNode"] == {"int": 0}
+    device_class = f"passthrough-aligned-{unique}"
+    await create_namespace_class(api, device_class, namespace)
+
+    def pair(name: str, attribute: str) -> dict:
+        body = claim(name, device_class)
+        body["spec"]["devices"]["requests"].append({"name": "gpu2", "exactly": {"deviceClassName": device_class}})
+        body["spec"]["devices"]["constraints"] = [{"matchAttribute": f"resource.kubernetes.io/{attribute}"}]
+        return body
+
+    try:
+        await create_claim(api, namespace, pair("same-numa", "numaNode"))
+        await support.create_pod(api, namespace, claim_pod("numa-launcher", "same-numa"))
+
+        async def unschedulable():
+            pod = await core.read_namespaced_pod("numa-launcher", namespace)
+            return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in pod.status.conditions or [])
+
+        await support.wait_for(unschedulable, 60, 0.2, what="two GPUs on one NUMA node found impossible")
+        await support.delete_pod(api, namespace, "numa-launcher")
+        await delete_claim(session, namespace, "same-numa")
+
+        await create_claim(api, namespace, pair("same-root", "pcieRoot"))
+        await support.create_pod(api, namespace, claim_pod("root-launcher", "same-root"))
+        await created(core, namespace, kubelet, "root-launcher", timeout=90)
+        results = (await read_claim(api, namespace, "same-root"))["status"]["allocation"]["devices"]["results"]
+        assert sorted(r["device"] for r in results) == ["pci-0000-3b-00-0", "pci-0000-af-00-0"]
+    finally:
+        await support.delete_pod(api, namespace, "numa-launcher")
+        await support.delete_pod(api, namespace, "root-launcher")
+        await delete_claim(session, namespace, "same-numa")
+        await delete_claim(session, namespace, "same-root")
+        await session.request("DELETE", f"{RESOURCE}/deviceclasses/{device_class}")
+    for address in (GPU, OTHER_GPU):
+        await support.assign(api, names[address], "")
+    await published(api, kubelet, agent, {})
 
 
 async def test_the_resource_slice_at_rest_gets_no_write_per_rescan(api, kubelet, agent, gpu_host, namespace):

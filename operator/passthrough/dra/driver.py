@@ -282,7 +282,9 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         self._seen = handed, claimed = self._assignments()
         self._judge_elsewhere(discovery, await self._served_by_plugins())
-        published = [p for p in dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(meta.get("labels")), claimed)
+        roots = {address: self._pcie_root(address) for address in names}
+        published = [p for p in dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(meta.get("labels")),
+                                                      claimed, roots)
                      if p.device.address not in self.elsewhere]  # fmt: skip
         self._candidates = {p.device.address: p.device.iommu_group for p in published}
         self._judge_health()
@@ -566,6 +568,12 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         # Its group stays on vfio-pci while the device is published (the next VM starts at once);
         # the next pass gives back what left passthrough.
         self.trigger()
+
+    def _pcie_root(self, address: str) -> str:
+        try:
+            return dra_slice.pcie_root(os.readlink(self.sysfs_root / "bus" / "pci" / "devices" / address), address)
+        except OSError:
+            return ""
 
     def _cdev(self, address: str) -> str:
         return vfio.iommufd_device(self.sysfs_root, self.dev_root, address)

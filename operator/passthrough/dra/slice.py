@@ -14,6 +14,7 @@ gave anyone, and NodePrepareResources would bind it.
 from __future__ import annotations
 
 import hashlib
+import posixpath
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,11 @@ from passthrough.pci.discovery import Device
 
 DRIVER = "pci.passthrough.io"
 DOMAIN = "passthrough.io"  # our attributes: passthrough.io/namespace, ...
-PCI_BUS_ID = "resource.kubernetes.io/pciBusID"  # the standard attribute KubeVirt reads the address from
+# The standard attributes (Kubernetes' deviceattribute package): a claim aligns devices of
+# several drivers by them (`matchAttribute`), KubeVirt reads the address from pciBusID.
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"  # `pci<domain>:<bus>`, the root complex
+NUMA_NODE = "resource.kubernetes.io/numaNode"  # an int; left out for a device with no NUMA node (-1)
 API_VERSION = "resource.k8s.io/v1"
 PLURAL = "resourceslices"
 STRING_MAX = 64  # a string attribute's value, at most (the API server refuses longer)
@@ -39,6 +44,7 @@ class Published:
     device: Device
     object_name: str  # its NodePCIDevice
     namespace: str
+    pcie_root: str = ""  # `pcie_root`'s answer; "" when unknown (then not published)
 
     @property
     def name(self) -> str:
@@ -48,6 +54,20 @@ class Published:
 def device_name(address: str) -> str:
     """The device's name in the slice (a DNS label): `pci-0000-3b-00-0` for 0000:3b:00.0."""
     return "pci-" + address.lower().replace(":", "-").replace(".", "-")
+
+
+def pcie_root(link: str, address: str) -> str:
+    """The PCIe root complex of the device at `address` (`pci0000:3a`), as Kubernetes' deviceattribute
+    package reads it: `link` is where `/sys/bus/pci/devices/<address>` points, and the root is
+    the first directory under `/sys/devices` on the way to the device. "" where the link leads
+    anywhere else (upstream refuses such a device the attribute too)."""
+    if link.startswith("/"):
+        return ""
+    target = posixpath.normpath(posixpath.join("bus/pci/devices", link))
+    parts = target.split("/")
+    if len(parts) < 3 or parts[0] != "devices" or not parts[1].startswith("pci") or parts[-1] != address:
+        return ""
+    return parts[1]
 
 
 def slice_name(node_name: str, index: int = 0) -> str:
@@ -67,9 +87,12 @@ def publishable(
     names: Mapping[str, str],
     in_gpu_mode: bool,
     claimed: Container[str] = frozenset(),
+    roots: Mapping[str, str] | None = None,
 ) -> list[Published]:
     """`assignments`: object name -> the namespace it is handed out to (only those); `names`:
-    address -> object name; `claimed`: object names an admin assigned, handed out or not."""
+    address -> object name; `claimed`: object names an admin assigned, handed out or not;
+    `roots`: address -> its PCIe root complex (`pcie_root`)."""
+    roots = roots or {}
     devices = sorted(devices, key=lambda d: d.address)
     unpooled = {d.iommu_group for d in devices if d.iommu_group >= 0 and names.get(d.address, "") in claimed}
     found = []
@@ -78,9 +101,9 @@ def publishable(
         namespace = assignments.get(name, "")
         if namespace:
             if wanted(device, namespace, in_gpu_mode, serve_pools=True):
-                found.append(Published(device, name, namespace))
+                found.append(Published(device, name, namespace, roots.get(device.address, "")))
         elif device.iommu_group not in unpooled and wanted(device, "", in_gpu_mode, serve_pools=True):
-            found.append(Published(device, name, ""))
+            found.append(Published(device, name, "", roots.get(device.address, "")))
     return found
 
 
@@ -91,8 +114,13 @@ def _string(value: str) -> dict[str, str]:
 def attributes(item: Published) -> dict[str, dict[str, Any]]:
     """A device's attributes, by qualified name, as a ResourceSlice holds them."""
     d = item.device
+    standard: dict[str, dict[str, Any]] = {PCI_BUS_ID: _string(d.address)}
+    if item.pcie_root:
+        standard[PCIE_ROOT] = _string(item.pcie_root)
+    if d.numa_node >= 0:
+        standard[NUMA_NODE] = {"int": d.numa_node}
     return {
-        PCI_BUS_ID: _string(d.address),
+        **standard,
         f"{DOMAIN}/vendorID": _string(d.vendor_id),
         f"{DOMAIN}/deviceID": _string(d.device_id),
         f"{DOMAIN}/class": _string(d.class_code),
