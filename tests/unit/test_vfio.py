@@ -252,7 +252,7 @@ def test_release_of_a_group_a_vmm_has_open_is_held_by_process_before_any_write(h
     vmm = os.open(host.vfio_node(GROUP), os.O_RDWR)  # a VMM holds the group: the next open is EBUSY
     try:
         before = snapshot(host)
-        assert vfio.held_by_process(host.dev, GROUP)
+        assert vfio.held_by_process(host.sysfs, host.dev, GROUP, [GPU, AUDIO]) == "/dev/vfio/20 is open"
         with pytest.raises(BindError) as e:
             vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO], timeout=SHORT)
         assert e.value.reason == "HeldByProcess"
@@ -260,9 +260,51 @@ def test_release_of_a_group_a_vmm_has_open_is_held_by_process_before_any_write(h
         assert snapshot(host) == before  # an unbind now would have blocked until the VMM let go
     finally:
         os.close(vmm)
-    assert not vfio.held_by_process(host.dev, GROUP)
+    assert vfio.held_by_process(host.sysfs, host.dev, GROUP, [GPU, AUDIO]) == ""
     assert vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO]) == 6
     assert as_it_was(kernel)
+
+
+def test_release_of_a_group_whose_member_is_enabled_is_held_by_process_before_any_write(host, kernel):
+    # vfio-pci enables a device while a user has it open (through the group, or iommufd's
+    # /dev/vfio/devices/vfioN, which leaves the group node free): the count says held.
+    vfio.bind_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
+    host.write_attribute(GPU, "enable", "0\n")
+    host.write_attribute(AUDIO, "enable", "1\n")
+    before = snapshot(host)
+    with pytest.raises(BindError) as e:
+        vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO], timeout=SHORT)
+    assert e.value.reason == "HeldByProcess"
+    assert str(e.value).startswith("0000:3b:00.1 is in use (its enable count is 1: a VMM or another process has it open")
+    assert snapshot(host) == before
+    host.write_attribute(AUDIO, "enable", "0\n")
+    assert vfio.release_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO]) == 6
+
+
+def test_the_enable_counts_judge_where_the_group_node_cannot_be_opened(host, tmp_path):
+    # The chart's binder: its device cgroup refuses /dev/vfio/<group> (here: no such node at all).
+    vfio.bind_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
+    elsewhere = tmp_path / "container-dev"
+    host.write_attribute(GPU, "enable", "0\n")
+    host.write_attribute(AUDIO, "enable", "0\n")
+    assert vfio.held_by_process(host.sysfs, elsewhere, GROUP, [GPU, AUDIO]) == ""
+    host.write_attribute(GPU, "enable", "2\n")
+    assert "0000:3b:00.0 is in use (its enable count is 2" in vfio.held_by_process(host.sysfs, elsewhere, GROUP, [GPU, AUDIO])
+
+
+def test_a_group_nothing_can_tell_about_is_held_unknown_and_kept(host, tmp_path):
+    # Neither the group node nor a member's count can be read: kept, never read as "not held".
+    vfio.bind_group(host.sysfs, host.dev, GROUP, [GPU, AUDIO])
+    host.write_attribute(GPU, "enable", "0\n")
+    before = snapshot(host)
+    with pytest.raises(BindError) as e:
+        vfio.release_group(host.sysfs, tmp_path / "container-dev", GROUP, [GPU, AUDIO], timeout=SHORT)
+    assert e.value.reason == "HeldUnknown"
+    assert "cannot tell whether something holds IOMMU group 20, so it stays on vfio-pci" in str(e.value)
+    assert "(ENOENT) and the enable count of 0000:3b:00.1 cannot be read" in str(e.value)
+    assert snapshot(host) == before
+    # The host's own /dev/vfio, where the node is simply gone, is no refusal: nobody has it open.
+    assert vfio.held_by_process(host.sysfs, host.dev, 99, []) == ""
 
 
 def test_half_a_group_on_vfio_pci_is_not_healthy(host):
@@ -352,4 +394,16 @@ def test_the_iommufd_device_is_named_only_when_it_and_dev_iommu_exist(tmp_path):
     (host.dev / "vfio" / "devices" / "vfio3").write_text("")
     assert vfio.iommufd_device(host.sysfs, host.dev, GPU) == ""  # no /dev/iommu (bookworm's 6.12, IOMMUFD off)
     (host.dev / "iommu").write_text("")
+    assert vfio.iommufd_device(host.sysfs, host.dev, GPU) == "vfio3"
+
+
+def test_the_iommufd_device_is_named_where_sysfs_records_dev_iommu_and_the_container_has_no_node(tmp_path):
+    # The chart's agent: the host's /sys and /dev/vfio, no /dev/iommu of its own.
+    host = gpu_node(tmp_path)
+    (host.device_dir(GPU) / "vfio-dev" / "vfio3").mkdir(parents=True)
+    (host.dev / "vfio" / "devices").mkdir(parents=True, exist_ok=True)
+    (host.dev / "vfio" / "devices" / "vfio3").write_text("")
+    assert vfio.iommufd_device(host.sysfs, host.dev, GPU) == ""
+    (host.sysfs / "class" / "misc" / "iommu").mkdir(parents=True)  # iommufd's misc device
+    assert not (host.dev / "iommu").exists()
     assert vfio.iommufd_device(host.sysfs, host.dev, GPU) == "vfio3"

@@ -4,9 +4,10 @@ them, and tells the device plugins what to serve.
 The sysfs sequences are `pci.vfio`'s, run by `pci.binder` in a child process under a deadline,
 since a write the kernel cannot finish blocks. So nothing is unbound while it is held: a group
 to give back is first withdrawn from the kubelet (the caller serves without it), then the
-kubelet's PodResources is asked which pods hold it, then the binder looks at the group node
-(EBUSY: a VMM holds it), and only then unbinds. When PodResources cannot be asked, nothing is
-given back: a device a pod holds must never be pulled from under its VM.
+kubelet's PodResources is asked which pods hold it, then the binder looks whether a process holds
+it (a member's sysfs `enable` count, or `/dev/vfio/<group>` taken: `vfio.held_by_process`), and
+only then unbinds; what the binder cannot tell is kept too. When PodResources cannot be asked,
+nothing is given back: a device a pod holds must never be pulled from under its VM.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 # Reasons that mean "waiting for someone else", not "something failed": Normal Events.
 WAITING = frozenset({"HeldByPod", "HeldByProcess"})
+# Give-backs refused before any write: the group stays on vfio-pci and is looked at again.
+# HeldUnknown (the binder cannot tell whether something holds it) is a Warning: the node's
+# shape is wrong, and nothing is given back until it is right.
+KEPT = frozenset({"HeldByProcess", "HeldUnknown"})
 
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
@@ -163,7 +168,7 @@ class Handover:
                     self.sysfs_root, self.dev_root, group, list(members), self.bind_timeout, overrides
                 )
             except BindError as exc:
-                if exc.reason == "HeldByProcess":
+                if exc.reason in KEPT:
                     outcome.held[group] = members
                     for address in members:
                         outcome.waiting[address] = exc

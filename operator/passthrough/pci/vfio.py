@@ -5,8 +5,9 @@ On a real kernel a write is done when write(2) returns, except one that cannot b
 device that someone holds (a VMM with `/dev/vfio/<group>` open, the NVIDIA driver with a CUDA
 process or nvidia-persistenced) blocks until the holder lets go, and vfio-pci asks a VMM to let
 go by hot-unplugging the device from its guest. Unbind never refuses. So these functions never
-unbind what is held (they look first: `held_by_process`, `vendor_users`), and they run in the
-agent's binder process (`pci.binder`), where a write that blocks anyway cannot stop the agent.
+unbind what is held (they look first: `held_by_process`, `vendor_users`; what they cannot tell is
+left alone), and they run in the agent's binder process (`pci.binder`), where a write that blocks
+anyway cannot stop the agent.
 
 Choices:
 - `bind_group` is all or nothing: when a member fails, the members this call changed go back
@@ -52,7 +53,7 @@ def prepare_node_hint(address: str, vendor_device: str) -> str:
 class BindError(Exception):
     """Why a group could not be bound or given back. `reason`, in CamelCase, is one of:
 
-    VfioNotLoaded, DeviceGone, NotInGroup, VendorDriverInUse, HeldByProcess, BindFailed,
+    VfioNotLoaded, DeviceGone, NotInGroup, VendorDriverInUse, HeldByProcess, HeldUnknown, BindFailed,
     VfioDeviceMissing, GiveBackFailed (and WriteBlocked, from `pci.binder`). The message says
     what to do.
     """
@@ -145,28 +146,65 @@ def device_healthy(sysfs_root: Path, dev_root: Path, address: str, group: int) -
 def iommufd_device(sysfs_root: Path, dev_root: Path, address: str) -> str:
     """The device's iommufd character device (`vfio<N>`), only when both it and `/dev/iommu`
     exist: a kernel without them must not be handed paths that are not there (KubeVirt 1.9.0's
-    IOMMUFD gate broke on such kernels)."""
+    IOMMUFD gate broke on such kernels).
+
+    `/dev/iommu` is known by the kernel's record of it, the misc device `iommu` in sysfs: the
+    chart's agent sees the host's /sys and /dev/vfio, not the host's whole /dev (a read-only bind
+    of /dev would still let it write the device nodes its device cgroup allows, the host's
+    terminals among them). The runtime makes the node in the VMM's container from the host's."""
     try:
         names = sorted(os.listdir(os.path.join(sysfs_root, "bus", "pci", "devices", address, "vfio-dev")))
     except OSError:
         return ""
-    if not os.path.exists(os.path.join(dev_root, "iommu")):
+    if not (os.path.exists(os.path.join(dev_root, "iommu")) or os.path.exists(os.path.join(sysfs_root, "class", "misc", "iommu"))):
         return ""
     return next((n for n in names if os.path.exists(os.path.join(dev_root, "vfio", "devices", n))), "")
 
 
-def held_by_process(dev_root: Path, group: int) -> bool:
-    """Whether something holds `/dev/vfio/<group>` open: the kernel lets one open it at a time
-    (EBUSY for the rest), so an open that succeeds, closed at once, means nobody does.
+def held_by_process(sysfs_root: Path, dev_root: Path, group: int, addresses: list[str]) -> str:
+    """What holds IOMMU group `group` (members `addresses`), "" when nothing does. Two signals,
+    either of which means held:
 
-    A process that may not open the node (a container whose device cgroup does not list it)
-    learns nothing here (False): the kubelet's PodResources, asked first, is then the judge."""
+    - A member's `enable` count above zero. vfio-pci enables a device (pci_enable_device) when a
+      user opens it, through its group or its iommufd character device, and disables it at the
+      last close. A read-only sysfs file: a container whose device cgroup lacks
+      `/dev/vfio/<group>` (the chart's binder) reads it, and it sees a user of iommufd, who never
+      opens the group node.
+    - `/dev/vfio/<group>` is open: the kernel lets one open it at a time, so our open is EBUSY.
+
+    Nothing holds it when the group node opened (and was closed at once), or when every
+    member's count was read and is zero. Neither (the node refused as the device cgroup refuses
+    it, EPERM, and a count unreadable): BindError HeldUnknown, never "not held", since an unbind
+    of a held device pulls it out from under its VM.
+    """
+    node = os.path.join(dev_root, "vfio", str(group))
+    refused = 0  # the open's errno when it neither opened nor found the group taken
     try:
-        fd = os.open(os.path.join(dev_root, "vfio", str(group)), os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        os.close(os.open(node, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK))
     except OSError as e:
-        return e.errno == errno.EBUSY
-    os.close(fd)
-    return False
+        if e.errno == errno.EBUSY:
+            return f"/dev/vfio/{group} is open"
+        if not (e.errno == errno.ENOENT and os.path.isdir(os.path.dirname(node))):
+            refused = e.errno or errno.EIO  # ENOENT beside the host's other group nodes: nobody has it
+    unread: list[str] = []
+    for address in addresses:
+        entry = Path(sysfs_root) / "bus" / "pci" / "devices" / address
+        try:
+            count = sysfs.read_int(entry / "enable")
+        except SysfsError:
+            if os.path.lexists(entry):
+                unread.append(address)  # a member that vanished holds nothing
+            continue
+        if count > 0:
+            return f"{address} is in use (its enable count is {count}: a VMM or another process has it open through vfio)"
+    if refused and unread:
+        raise BindError(
+            "HeldUnknown",
+            f"cannot tell whether something holds IOMMU group {group}, so it stays on vfio-pci: {node} cannot be "
+            f"opened here ({errno.errorcode.get(refused, refused)}) and the enable count of {', '.join(unread)} "
+            "cannot be read; give the agent's binder read access to the host's sysfs",
+        )
+    return ""
 
 
 def vendor_users(sysfs_root: Path, driver: str) -> int | None:
@@ -230,17 +268,17 @@ def release_group(
     address -> what it was before the agent bound it; cleared when not given), unbind, re-probe.
     Returns the number of sysfs writes made.
 
-    Refused with HeldByProcess, before any write, while something holds `/dev/vfio/<group>`:
-    the unbind would block until it let go. Whether a pod holds the group is the caller's
+    Refused with HeldByProcess, before any write, while something holds the group
+    (`held_by_process`): the unbind would block until it let go; HeldUnknown when that cannot be
+    told. Whether a pod holds the group is the caller's
     question. A device no driver has claimed `claim_wait` s after the re-probe is left
     driverless (the kernel's probe is done when the write returns, but a driver that probes
     asynchronously takes a moment)."""
     host = _Host(Path(sysfs_root), group)
-    if held_by_process(Path(dev_root), group):
+    if holder := held_by_process(Path(sysfs_root), Path(dev_root), group, addresses):
         raise BindError(
             "HeldByProcess",
-            f"/dev/vfio/{group} is open (a VMM or another process holds IOMMU group {group}); it is given back "
-            "once that lets go",
+            f"{holder} (a VMM or another process holds IOMMU group {group}); it is given back once that lets go",
         )
     given: list[str] = []
     failed: list[BindError] = []
