@@ -260,10 +260,12 @@ class LocalCluster:
                 # clusterrole-aggregation fills view/edit/admin from aggregated roles (the chart's
                 # PCIDevice read); validatingadmissionpolicy-status type-checks policies;
                 # resourceclaim-controller takes a ResourceClaim's reservation and allocation back
-                # once its pods are gone (DRA: without it a deleted claim keeps its device).
+                # once its pods are gone (DRA: without it a deleted claim keeps its device);
+                # device-taint-eviction-controller deletes the pods of claims whose device is
+                # tainted NoExecute (the DRA driver's device that fell off the bus).
                 "--controllers=namespace,garbagecollector,serviceaccount,serviceaccount-token,"
                 "clusterrole-aggregation-controller,validatingadmissionpolicy-status-controller,"
-                "resourceclaim-controller",
+                "resourceclaim-controller,device-taint-eviction-controller",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
                 f"--root-ca-file={pki / 'ca.crt'}",
                 "--leader-elect=false",

@@ -282,20 +282,58 @@ async def test_the_resource_slice_at_rest_gets_no_write_per_rescan(api, kubelet,
     await published(api, kubelet, agent, {})
 
 
-async def test_a_device_that_falls_ill_is_withdrawn_from_the_slice_and_comes_back(api, kubelet, agent, gpu_host, namespace):
+async def taints(api, kubelet, agent, want: dict[str, list[dict]]) -> dict:
+    """Until the node's slice lists exactly `want` (device name -> its taints, without the time
+    the API server stamps on each)."""
+
+    async def matches():
+        found = await live_slice(api, kubelet)
+        have = {d["name"]: [{k: v for k, v in t.items() if k != "timeAdded"} for t in d.get("taints") or []]
+                for d in ((found or {}).get("spec") or {}).get("devices") or []}  # fmt: skip
+        return found if have == want else None
+
+    return await support.wait_for(matches, 30, 0.2, what=lambda: f"ResourceSlice taints {want}; agent log:\n{agent.output()[-3000:]}")
+
+
+async def test_a_device_that_falls_ill_is_tainted_in_the_slice_and_the_scheduler_leaves_it(
+    api, kubelet, agent, gpu_host, namespace, unique
+):
     host, _ = gpu_host
+    core = client.CoreV1Api(api)
     names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
     await support.assign(api, names[GPU], namespace)
     await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
+    device_class = f"passthrough-ill-{unique}"
+    await create_namespace_class(api, device_class, namespace)
     # Its audio function's link goes down (a member of its IOMMU group): no new claim may have it.
     host.write_attribute(AUDIO, "current_link_width", "0")
     try:
-        await published(api, kubelet, agent, {})
-        assert "withdrew 0000:af:00.0 from the ResourceSlice" in agent.output()
-        assert host.driver(GPU) == "nvidia"  # withdrawn, not touched
+        found = await taints(api, kubelet, agent, {"pci-0000-af-00-0": [
+            {"key": "passthrough.io/unhealthy", "value": "LinkDown", "effect": "NoSchedule"}]})  # fmt: skip
+        [device] = found["spec"]["devices"]
+        assert device["taints"][0]["timeAdded"]  # stamped by the API server
+        assert "tainted 0000:af:00.0 passthrough.io/unhealthy=LinkDown:NoSchedule in the ResourceSlice" in agent.output()
+        assert host.driver(GPU) == "nvidia"  # tainted, not touched
+        # The real scheduler does not allocate it to a claim that does not tolerate the taint.
+        await create_claim(api, namespace, claim("ill", device_class))
+        await support.create_pod(api, namespace, claim_pod("ill-launcher", "ill"))
+
+        async def unschedulable():
+            pod = await core.read_namespaced_pod("ill-launcher", namespace)
+            return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in pod.status.conditions or [])
+
+        await support.wait_for(unschedulable, 60, 0.2, what="the pod of a claim of the tainted device found unschedulable")
+        assert "allocation" not in ((await read_claim(api, namespace, "ill")).get("status") or {})
     finally:
         host.write_attribute(AUDIO, "current_link_width", "16")
-    await published(api, kubelet, agent, {"pci-0000-af-00-0": namespace})
+    # Healthy again: untainted, and the waiting claim gets it.
+    await taints(api, kubelet, agent, {"pci-0000-af-00-0": []})
+    try:
+        await created(core, namespace, kubelet, "ill-launcher", timeout=90)
+    finally:
+        await support.delete_pod(api, namespace, "ill-launcher")
+        await delete_claim(session_of(api), namespace, "ill")
+        await session_of(api).request("DELETE", f"{RESOURCE}/deviceclasses/{device_class}")
     await support.assign(api, names[GPU], "")
     await published(api, kubelet, agent, {})
 

@@ -2,9 +2,11 @@
 
 The agent's DRA driver registers the DRAResourceHealth service with the real kubelet, which opens
 its health stream; when a prepared claim's device falls ill (a member of its IOMMU group loses
-its link, as `test_dra`'s withdrawal test makes it), the kubelet shows the device Unhealthy, with
+its link, as `test_dra`'s taint test makes it), the kubelet shows the device Unhealthy, with
 the driver's reason, in the pod's `status.containerStatuses[].allocatedResourcesStatus`, and
-Healthy again once it recovers. Same GPU node, kubelet and agent as `test_dra`.
+Healthy again once it recovers; the slice taints it meanwhile. A device that falls off the bus
+is tainted NoExecute, and the real kube-controller-manager evicts the pods that hold it. Same
+GPU node, kubelet and agent as `test_dra`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 
 import pytest
 from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from e2e import support
 from e2e.support import created
@@ -21,12 +24,13 @@ from passthrough.dra import health as dra_health
 from passthrough.kube.client import session_of
 from tests.integration.test_dra import (  # noqa: F401  (fixtures: the GPU node, its kubelet and the agent in DRA mode)
     AUDIO, GPU, RESOURCE, agent, claim, claim_pod, create_claim, create_namespace_class, delete_claim, gpu_host, kubelet,
-    published, read_claim,
+    published, read_claim, taints,
 )  # fmt: skip
 
 pytestmark = pytest.mark.cluster
 DEVICE = "pci-0000-af-00-0"
 RESOURCE_NAME = "claim:gpu/gpu"  # the pod's claim `gpu`, its request `gpu`, as the kubelet names it
+LINK_DOWN = {"key": "passthrough.io/unhealthy", "value": "LinkDown", "effect": "NoSchedule"}
 KUBELET_SYNC = 10  # seconds between the test kubelet's pod syncs (its syncFrequency), each one rewriting the status
 
 
@@ -99,14 +103,60 @@ async def test_a_pod_sees_its_claimed_device_fall_ill_and_recover(api, kubelet, 
             ill = await health_shown(api, agent, namespace, "watched-launcher", "Unhealthy")
             assert ill["message"] == f"{AUDIO}'s PCIe link is down (current_link_width 0)"
             assert ill["resourceID"] == fine["resourceID"]
-            await published(api, kubelet, agent, {})  # and no new claim gets it
+            # ... and no new claim gets it: tainted NoSchedule (the pod that holds it stays).
+            await taints(api, kubelet, agent, {DEVICE: [LINK_DOWN]})
         finally:
             host.write_attribute(AUDIO, "current_link_width", "16")
         await health_shown(api, agent, namespace, "watched-launcher", "Healthy")
-        await published(api, kubelet, agent, {DEVICE: namespace})
+        await taints(api, kubelet, agent, {DEVICE: []})
     finally:
         await support.delete_pod(api, namespace, "watched-launcher")  # the pod first: it holds the claim
         await delete_claim(session, namespace, "watched")
         await session.request("DELETE", f"{RESOURCE}/deviceclasses/{device_class}")
     await support.assign(api, names[GPU], "")
     await published(api, kubelet, agent, {})
+
+
+async def test_a_device_that_fell_off_the_bus_has_the_pods_that_hold_it_evicted(api, kubelet, agent, gpu_host, namespace, unique):
+    """NoExecute: kube-controller-manager's device taint eviction deletes the pod of a claim that
+    holds a device gone dead (its VM has lost it), and says so on the pod."""
+    host, _ = gpu_host
+    core = client.CoreV1Api(api)
+    session = session_of(api)
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    await support.assign(api, names[GPU], namespace)
+    await published(api, kubelet, agent, {DEVICE: namespace})
+    device_class = f"passthrough-dead-{unique}"
+    await create_namespace_class(api, device_class, namespace)
+    config = host.device_dir(AUDIO) / "config"  # the fixture host has none: nothing to read, nothing wrong
+    try:
+        await create_claim(api, namespace, claim("dead", device_class))
+        await support.create_pod(api, namespace, health_pod("dead-launcher", "dead"))
+        await created(core, namespace, kubelet, "dead-launcher", timeout=60)
+        config.write_bytes(b"\xff" * 64)  # the audio function reads all ones: the group fell off the bus
+        try:
+            await taints(api, kubelet, agent, {DEVICE: [{"key": "passthrough.io/unhealthy", "value": "FellOffBus", "effect": "NoExecute"}]})
+
+            async def evicted():
+                events = await core.list_namespaced_event(namespace, field_selector="involvedObject.name=dead-launcher")
+                return [e for e in events.items if e.reason == "DeviceTaintManagerEviction"]
+
+            await support.wait_for(evicted, 60, 0.2, what="kube-controller-manager's eviction of the pod")
+            await support.wait_for(lambda: _gone(core, namespace, "dead-launcher"), 60, 0.2, what="the evicted pod deleted")
+        finally:
+            config.unlink()
+        await taints(api, kubelet, agent, {DEVICE: []})
+    finally:
+        await support.delete_pod(api, namespace, "dead-launcher")
+        await delete_claim(session, namespace, "dead")
+        await session.request("DELETE", f"{RESOURCE}/deviceclasses/{device_class}")
+    await support.assign(api, names[GPU], "")
+    await published(api, kubelet, agent, {})
+
+
+async def _gone(core, namespace: str, name: str) -> bool:
+    try:
+        await core.read_namespaced_pod(name, namespace)
+    except ApiException as exc:
+        return exc.status == 404
+    return False

@@ -14,9 +14,11 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
   groups this driver bound that no published device and no prepared claim needs go back to their
   drivers.
 - Health: every 0.5 s, the hardware of each device offered, withdrawn or held by a prepared
-  claim (`pci.health.Health.hardware_problem`). An ill one leaves the slice (no new claim gets
-  it) and is reported Unhealthy, with why, to the kubelet (the claims that hold it learn); back
-  in the slice and Healthy when it recovers (`dra.health`).
+  claim (`pci.health.Health.hardware_problem`). An ill one is tainted in the slice, NoSchedule
+  (no new claim gets it) or NoExecute when it fell off the bus (kube-controller-manager evicts
+  the pods of the claims that hold it), and is reported Unhealthy, with why, to the kubelet (the
+  pods that hold it show it); untainted and Healthy when it recovers (`dra.health`). One gone
+  from the bus leaves the slice.
 - Prepare: the same binder child as the device plugins (`pci.binder.Binder`); what it moved is
   recorded (`agent.bound.Bound`, in the plugin directory) so only that is ever given back.
   Prepared claims are kept in `checkpoint.json` there (`dra.prepared`, with the files they
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -288,8 +291,10 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                      if p.device.address not in self.elsewhere]  # fmt: skip
         self._candidates = {p.device.address: p.device.iommu_group for p in published}
         self._judge_health()
-        withdrawn = [p for p in published if p.device.address in self.unhealthy]
-        published = [p for p in published if p.device.address not in self.unhealthy]
+        # An ill device stays, tainted (the scheduler and the pods say why); one gone leaves.
+        marks = {address: dra_health.taint(why) for address, why in self.unhealthy.items()}
+        withdrawn = [p for p in published if p.device.address in marks and marks[p.device.address] is None]
+        published = [dataclasses.replace(p, taint=marks.get(p.device.address)) for p in published if p not in withdrawn]
         self.inventory = dra_slice.by_name(published)
         # More than 128 devices are several slices; never fewer than the live pool has (no delete).
         at_least = dra_slice.live_count(self._live(1)[0])
@@ -373,8 +378,10 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
 
     def _judge_health(self) -> bool:
         """Read the health of every device a pass would publish or a prepared claim holds; True
-        when the slice's share of it changed. An unhealthy device is withdrawn from the slice (no
-        new claim gets it) until it recovers; the kubelet hears of every change (`_report_health`)."""
+        when the slice's share of it changed. An unhealthy device is tainted in the slice (no new
+        claim gets it; NoExecute evicts the pods of one that fell off the bus), one gone from the
+        bus withdrawn, until it recovers (`dra.health.taint`); the kubelet hears of every change
+        (`_report_health`)."""
         watched = dra_health.watched(self._candidates, self._prepared_devices(), self.node_name)
         problems = {name: self.health.hardware_problem(address, group) for name, (address, group) in watched.items()}
         self._report_health(problems)
@@ -384,9 +391,12 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             return False
         for address, why in found.items():
             if self.unhealthy.get(address) != why:
-                log.warning("withdrew %s from the ResourceSlice: %s", address, why)
+                if (mark := dra_health.taint(why)) is None:
+                    log.warning("withdrew %s from the ResourceSlice: %s", address, why)
+                else:
+                    log.warning("tainted %s %s=%s:%s in the ResourceSlice: %s", address, *mark, why)
         for address in self.unhealthy.keys() - found.keys():
-            log.info("%s is healthy again: back in the ResourceSlice", address)
+            log.info("%s is healthy again: back in the ResourceSlice, untainted", address)
         self.unhealthy = found
         return True
 

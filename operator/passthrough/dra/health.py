@@ -1,5 +1,6 @@
-"""What the DRA driver tells the kubelet of its devices' health (KEP-4680, the DRAResourceHealth
-stream): which devices it speaks for, and the report it sends. Pure; the driver reads the hardware.
+"""What the DRA driver tells of its devices' health: to the kubelet (KEP-4680, the
+DRAResourceHealth stream), which devices it speaks for and the report it sends; to the scheduler,
+the device's taint in the ResourceSlice (`taint`). Pure; the driver reads the hardware.
 
 The kubelet takes each report as the driver's whole list: a device left out of it, or not
 reported again within the timeout, reads as Unknown on the pods that hold it. So every report
@@ -18,6 +19,29 @@ SERVICE = health.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name  # "
 TIMEOUT = 30  # seconds the kubelet trusts a report for (its default, said out loud)
 RESEND = 10.0  # seconds between reports when nothing changes: well within TIMEOUT
 MESSAGE_MAX = 1024  # the kubelet cuts a longer message
+
+
+TAINT_KEY = "passthrough.io/unhealthy"
+NO_SCHEDULE, NO_EXECUTE = "NoSchedule", "NoExecute"
+# The hardware's words (`pci.health.Health.hardware_problem`) for a device that is gone or fell off.
+VANISHED, FELL_OFF = "vanished from the bus", "fell off the bus"
+
+
+def taint(problem: str) -> tuple[str, str, str] | None:
+    """The taint (key, value, effect) of a device with `problem` ("" = healthy: none) in the
+    slice: NoSchedule (no new claim is allocated it; the pods that hold it hear why through the
+    health stream), NoExecute when it fell off the bus (kube-controller-manager evicts the pods
+    of the claims that hold it: their VM has lost the device). None too for a device gone from
+    the bus: that one leaves the slice."""
+    if not problem or VANISHED in problem:
+        return None
+    if FELL_OFF in problem:
+        return TAINT_KEY, "FellOffBus", NO_EXECUTE
+    if "link is down" in problem:
+        return TAINT_KEY, "LinkDown", NO_SCHEDULE
+    if "AER" in problem:
+        return TAINT_KEY, "AERErrors", NO_SCHEDULE
+    return TAINT_KEY, "Unhealthy", NO_SCHEDULE
 
 
 def watched(candidates: Mapping[str, int], prepared: Iterable[Mapping[str, Any]], pool: str) -> dict[str, tuple[str, int]]:

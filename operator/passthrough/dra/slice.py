@@ -45,6 +45,7 @@ class Published:
     object_name: str  # its NodePCIDevice
     namespace: str
     pcie_root: str = ""  # `pcie_root`'s answer; "" when unknown (then not published)
+    taint: tuple[str, str, str] | None = None  # (key, value, effect) while it is ill (`dra.health.taint`)
 
     @property
     def name(self) -> str:
@@ -139,8 +140,21 @@ def spec(node_name: str, published: Iterable[Published]) -> dict[str, Any]:
         "driver": DRIVER,
         "nodeName": node_name,
         "pool": {"name": node_name, "resourceSliceCount": 1},
-        "devices": [{"name": item.name, "attributes": attributes(item)} for item in sorted(published, key=lambda p: p.name)],
+        "devices": [_device(item) for item in sorted(published, key=lambda p: p.name)],
     }
+
+
+def _device(item: Published) -> dict[str, Any]:
+    found: dict[str, Any] = {"name": item.name, "attributes": attributes(item)}
+    if item.taint:
+        key, value, effect = item.taint
+        found["taints"] = [{"key": key, "value": value, "effect": effect}]
+    return found
+
+
+def _taints(device: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A live device's taints as we write them: without the time the API server stamps on each."""
+    return [{k: v for k, v in t.items() if k != "timeAdded"} for t in device.get("taints") or [] if isinstance(t, Mapping)]
 
 
 def specs(node_name: str, published: Iterable[Published], at_least: int = 1) -> list[dict[str, Any]]:
@@ -175,7 +189,30 @@ def pool_bodies(node_name: str, node_uid: str, desired: list[dict[str, Any]], li
     """Every slice of the pool to apply, all with one generation past the newest live one: the
     scheduler reads only a pool's newest generation, and only once it has all its slices."""
     generation = max((_generation(l) for l in live), default=0) + 1
-    return [_body(slice_name(node_name, i), node_name, node_uid, d, generation) for i, d in enumerate(desired)]
+    times = _times_added(live)
+    return [_body(slice_name(node_name, i), node_name, node_uid, _stamped(d, times), generation) for i, d in enumerate(desired)]
+
+
+def _times_added(live: list[dict[str, Any] | None]) -> dict[tuple[str, str, str, str], str]:
+    """(device, taint key, value, effect) -> when the API server stamped that taint, in the live pool."""
+    found = {}
+    for body in live:
+        for device in ((body or {}).get("spec") or {}).get("devices") or []:
+            for t in device.get("taints") or []:
+                if isinstance(t, Mapping) and t.get("timeAdded"):
+                    found[(device.get("name"), t.get("key"), t.get("value", ""), t.get("effect"))] = t["timeAdded"]
+    return found
+
+
+def _stamped(desired: dict[str, Any], times: Mapping[tuple[str, str, str, str], str]) -> dict[str, Any]:
+    """`desired` with each taint the live pool has already carrying its time: a taint written
+    without one is stamped now, and a device ill since an hour would seem ill since this write."""
+    devices = []
+    for device in desired["devices"]:
+        taints = [{**t, "timeAdded": times[key]} if (key := (device["name"], t["key"], t["value"], t["effect"])) in times else t
+                  for t in device.get("taints") or []]  # fmt: skip
+        devices.append({**device, "taints": taints} if taints else device)
+    return {**desired, "devices": devices}
 
 
 def _body(name: str, node_name: str, node_uid: str, desired: dict[str, Any], generation: int) -> dict[str, Any]:
@@ -207,7 +244,8 @@ def changed(desired: dict[str, Any], live: dict[str, Any] | None, node_uid: str)
         desired["driver"], desired["nodeName"], desired["pool"]["name"], desired["pool"]["resourceSliceCount"]
     ):  # fmt: skip
         return True
-    devices = [{"name": d.get("name"), "attributes": d.get("attributes") or {}} for d in have.get("devices") or []]
+    devices = [{"name": d.get("name"), "attributes": d.get("attributes") or {}, **({"taints": _taints(d)} if _taints(d) else {})}
+               for d in have.get("devices") or []]  # fmt: skip
     return devices != desired["devices"]
 
 
