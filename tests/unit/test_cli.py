@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-COMMANDS = ["operator", "agent", "binder", "discover", "render", "resource-name", "crds", "values-schema"]
+COMMANDS = ["operator", "agent", "binder", "discover", "render", "resource-name", "uninstall", "crds", "values-schema"]
 
 
 def run(*args: str, env=None) -> subprocess.CompletedProcess:
