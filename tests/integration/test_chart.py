@@ -101,7 +101,9 @@ def test_default_values_render_the_models_defaults_and_two_operator_replicas(hel
          # The admission webhook, served by the operator.
          "ValidatingWebhookConfiguration", "Service", "Secret",
          # Metrics: the operator's and the agents' Services, the Grafana dashboard, and who may read them.
-         "Service", "Service", "ConfigMap", "ClusterRole"]
+         "Service", "Service", "ConfigMap", "ClusterRole",
+         # helm uninstall's post-delete hook (controller/uninstall.py), with its own account while it runs.
+         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job"]
     )
     config = one(objects, "PassthroughConfig")
     assert config["metadata"]["name"] == "cluster"
