@@ -50,3 +50,15 @@ def test_the_answer_wins_over_the_intent(tmp_path):
     bound.add({GPU: "nvidia"})  # the binder's answer: the override it had before
     bound.settle(host.sysfs)
     assert bound.devices == {GPU: "nvidia"} and bound.intended == {}
+
+
+def test_an_override_the_agents_own_bind_left_is_not_what_it_gives_back(tmp_path):
+    """A bind cut short left vfio-pci in driver_override; the next bind's answer finds it there.
+    Giving back that would send the device to vfio-pci again on the re-probe."""
+    host = gpu_node(tmp_path / "host")
+    bound = Bound(tmp_path / "state")
+    bound.intend(host.sysfs, [GPU, AUDIO])
+    bound.add({GPU: "", AUDIO: "vfio-pci"})
+    assert bound.devices == {GPU: "", AUDIO: ""}
+    bound.add({OTHER_GPU: "vfio-pci"})  # not intended: an admin's pin, as found
+    assert bound.devices[OTHER_GPU] == "vfio-pci"

@@ -39,6 +39,10 @@ class Bound:
         return address in self.devices
 
     def add(self, moved: dict[str, str]) -> None:
+        """What a bind's answer says it moved, each with the override it found. An intended member
+        found with vfio-pci's override was left so by the agent's own bind, cut short (a restart
+        mid-write): what it had before that is the intent's."""
+        moved = {a: self.intended[a] if o == VFIO_DRIVER and a in self.intended else o for a, o in moved.items()}
         if moved and any(self.devices.get(a) != o for a, o in moved.items()):
             self.devices.update(moved)
             self._save()
