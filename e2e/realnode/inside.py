@@ -1,0 +1,425 @@
+"""The real node's supervisor: runs inside the network, mount and PID namespaces `RealNode` makes.
+
+Started as `unshare --net --mount --propagation private --pid --fork --mount-proc -- python -m
+e2e.realnode.inside ...` (see `e2e/realnode/node.py`), it is PID 1 of the node: when it exits,
+the kernel kills every process left in the namespace (containers included), the network
+namespace goes with the last of them (the CNI bridge, the pods' veths, kube-proxy's rules),
+and every mount made here with the mount namespace.
+
+In here it gives the node what a host would, from nothing of the host's:
+- mounts: a tmpfs `/run` and `/dev` (the few device nodes a node uses, made with mknod), the
+  workdir's `var/` over `/var` (the kubelet's, containerd's and CNI's fixed paths), `/sys`
+  read-only (a pod's writable hostPath under /sys is read-only here too), and the six
+  `/proc/sys` files the kubelet's `protectKernelDefaults` reads covered by files holding the
+  values it wants (it only reads them; no kernel setting is changed);
+- network: loopback, and a bridge `node0` holding the node's address with the default route
+  (nothing is connected to it: a packet for no pod or Service goes nowhere);
+- the control plane on this namespace's loopback, a second controller-manager with the
+  controllers a cluster of pods needs (Deployments, DaemonSets, EndpointSlices, disruption
+  budgets, node lifecycle, the root CA ConfigMap), kube-scheduler, containerd with runc and the
+  CNI bridge, the kubelet, kube-proxy (iptables);
+- the API server, reached from pods through the `kubernetes` Service: its EndpointSlice names
+  the node's address, where a forwarder passes connections to the API server's loopback port;
+- from outside: the listening socket `RealNode` made in the caller's network namespace
+  (inherited as a file descriptor) forwards to the API server too.
+
+When all is ready it writes `ready.json` in the workdir; on failure `failed.txt` with the reason.
+SIGTERM stops the node (kubelet, kube-proxy, containerd, control plane) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import yaml
+
+from e2e import build as controlplane
+from e2e import cluster as clusters
+from e2e import kubevirt
+from e2e.kubelet import KERNEL_DEFAULTS, Scheduler, _Child, _condition
+from e2e.realnode import build as nodebuild
+from e2e.realnode import config
+
+DEVICES = {  # name: (mode, major, minor): what runc, containerd and the kubelet open under /dev
+    "null": (0o666, 1, 3),
+    "zero": (0o666, 1, 5),
+    "full": (0o666, 1, 7),
+    "random": (0o666, 1, 8),
+    "urandom": (0o666, 1, 9),
+    "tty": (0o666, 5, 0),
+    "kmsg": (0o644, 1, 11),  # the kubelet's OOM watcher reads it
+}
+
+
+class NodeError(RuntimeError):
+    pass
+
+
+def _sh(*args: str) -> None:
+    result = subprocess.run(list(args), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise NodeError(f"{shlex.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+
+
+# -- the namespace's mounts and network --------------------------------------------------------
+
+
+def make_mounts(workdir: Path) -> None:
+    var = workdir / "var"
+    for sub in ("lib/kubelet/device-plugins", "lib/kubelet/pod-resources", "lib/containerd", "lib/cni", "log/pods", "log/containers", "tmp"):
+        (var / sub).mkdir(parents=True, exist_ok=True)
+    if not (var / "run").is_symlink():
+        (var / "run").symlink_to("/run")
+    _sh("mount", "--bind", str(var), "/var")
+    _sh("mount", "-t", "tmpfs", "-o", "mode=755,nosuid", "tmpfs", "/run")
+    _sh("mount", "-t", "tmpfs", "-o", "mode=755,nosuid", "tmpfs", "/dev")
+    for name, (mode, major, minor) in DEVICES.items():
+        os.mknod(f"/dev/{name}", mode | 0o020000, os.makedev(major, minor))
+        os.chmod(f"/dev/{name}", mode)
+    for directory in ("pts", "shm", "mqueue"):
+        os.mkdir(f"/dev/{directory}")
+    _sh("mount", "-t", "devpts", "-o", "newinstance,ptmxmode=0666,mode=620", "devpts", "/dev/pts")
+    _sh("mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "shm", "/dev/shm")
+    os.symlink("pts/ptmx", "/dev/ptmx")
+    for index, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink(f"/proc/self/fd/{index}", f"/dev/{name}")
+    os.symlink("/proc/self/fd", "/dev/fd")
+    _sh("mount", "-o", "remount,bind,ro", "/sys")
+    sysctl = workdir / "sysctl"
+    sysctl.mkdir(exist_ok=True)
+    for key, value in KERNEL_DEFAULTS.items():
+        source = sysctl / key.replace("/", ".")
+        source.write_text(value + "\n")
+        _sh("mount", "--bind", "-o", "ro", str(source), f"/proc/sys/{key}")
+
+
+def make_network() -> None:
+    _sh("ip", "link", "set", "lo", "up")
+    _sh("ip", "link", "add", config.NODE_LINK, "type", "bridge")
+    _sh("ip", "addr", "add", f"{config.NODE_IP}/24", "dev", config.NODE_LINK)
+    _sh("ip", "link", "set", config.NODE_LINK, "up")
+    _sh("ip", "route", "add", "default", "dev", config.NODE_LINK)
+    # Replies between two pods of the bridge pass iptables, so a Service's DNAT is undone.
+    Path("/proc/sys/net/bridge/bridge-nf-call-iptables").write_text("1\n")
+
+
+# -- forwarding to the API server ---------------------------------------------------------------
+
+
+class Forwarder:
+    """TCP forwarders to the API server's loopback port, on an event loop of their own."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="forwarder", daemon=True)
+        self.thread.start()
+
+    def serve(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        asyncio.run_coroutine_threadsafe(self._serve(sock), self.loop).result()
+
+    async def _serve(self, sock: socket.socket) -> None:
+        await asyncio.start_server(self._connection, sock=sock)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            with contextlib.suppress(OSError):
+                if dst.can_write_eof():
+                    dst.write_eof()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        for w in (writer, up_writer):
+            w.close()
+
+
+# -- the node ------------------------------------------------------------------------------------
+
+
+class Node:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.workdir: Path = args.workdir
+        self.name: str = args.node_name
+        self.cgroup_root: str = args.cgroup_root
+        self.runc: str = args.runc
+        self.images: list[Path] = args.image
+        self.listen_fd: int = args.listen_fd
+        self.logs = self.workdir / "logs"
+        self.cluster: clusters.LocalCluster | None = None
+        self.children: list[_Child] = []
+        self.scheduler: Scheduler | None = None
+        self.bin = nodebuild.ensure_binaries()
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self) -> dict:
+        started = time.monotonic()
+        make_mounts(self.workdir)
+        make_network()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        cluster = self.cluster = clusters.LocalCluster(
+            workdir=self.workdir / "cluster", bin_dir=controlplane.ensure_binaries()
+        )
+        cluster.workdir.mkdir(parents=True, exist_ok=True)
+        # KubeVirt's CRDs, as on a cluster with KubeVirt; the chart brings its own.
+        cluster.start(before_controllers=lambda c: clusters.install_crds(c, [kubevirt_crds(c)]))
+        apiserver_port = int(cluster.server.rsplit(":", 1)[1])
+        forwarder = Forwarder(apiserver_port)
+        forwarder.serve(socket.socket(fileno=self.listen_fd))
+        inside = socket.create_server((config.NODE_IP, config.APISERVER_PORT))
+        forwarder.serve(inside)
+        self._kubernetes_endpoints()
+        self._controllers()
+        self.scheduler = Scheduler(cluster, log_dir=self.logs).start()
+        self._containerd()
+        self._import_images()
+        self._kubelet()
+        self._kube_proxy()
+        self._wait_node_ready(time.monotonic() + 120)
+        return {
+            "server_port": apiserver_port,
+            "token": cluster.token,
+            "node": self.name,
+            "node_ip": config.NODE_IP,
+            "seconds": round(time.monotonic() - started, 1),
+            "pid": os.getpid(),
+        }
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> _Child:
+        child = _Child(name, args, self.logs / f"{name}.log", env=env, cwd=self.workdir)
+        self.children.append(child)
+        return child
+
+    def _kubernetes_endpoints(self) -> None:
+        """Where pods reach the API server: the `kubernetes` Service's endpoints (the API server
+        writes none itself here: `--endpoint-reconciler-type=none`)."""
+        assert self.cluster is not None
+        slice_ = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "kubernetes",
+                "namespace": "default",
+                "labels": {
+                    "kubernetes.io/service-name": "kubernetes",
+                    "endpointslice.kubernetes.io/managed-by": "realnode.e2e.passthrough.io",
+                },
+            },
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [config.NODE_IP], "conditions": {"ready": True}}],
+            "ports": [{"name": "https", "port": config.APISERVER_PORT, "protocol": "TCP"}],
+        }
+        self.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(slice_))
+
+    def _controllers(self) -> None:
+        assert self.cluster is not None
+        kubeconfig = str(self.cluster.kubeconfig)
+        port = clusters.free_ports(1)[0]
+        pki = self.cluster.workdir / "pki"
+        child = self._spawn(
+            "kube-controller-manager-workloads",
+            [
+                self.cluster.binary("kube-controller-manager"),
+                f"--kubeconfig={kubeconfig}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--controllers={','.join(config.WORKLOAD_CONTROLLERS)}",
+                f"--root-ca-file={pki / 'ca.crt'}",
+                "--leader-elect=false",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        _wait_http(child, f"https://127.0.0.1:{port}/healthz", time.monotonic() + 60)
+
+    def _containerd(self) -> None:
+        conf = self.workdir / "containerd.toml"
+        cni_dir = self.workdir / "cni"
+        cni_dir.mkdir(exist_ok=True)
+        (cni_dir / "10-node.conflist").write_text(json.dumps(config.cni_conflist(), indent=2))
+        conf.write_text(config.containerd_toml(self.workdir, self.bin, self.runc, cni_dir, not _may_lower_oom_score()))
+        child = self._spawn(
+            "containerd",
+            [str(self.bin / "containerd"), f"--config={conf}", "--log-level=info"],
+            env=self._env(),
+        )
+        socket_path = config.containerd_socket(self.workdir)
+        deadline = time.monotonic() + 60
+        while not socket_path.is_socket() or self._ctr("version").returncode != 0:
+            if not child.alive():
+                raise NodeError(f"containerd exited; log {child.log}:\n{child.tail()}")
+            if time.monotonic() > deadline:
+                raise NodeError(f"containerd did not serve {socket_path}; log {child.log}")
+            time.sleep(0.1)
+
+    def _env(self) -> dict[str, str]:
+        return {
+            "PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(self.workdir),
+            "TMPDIR": "/var/tmp",
+            "LIBMOUNT_UTAB": str(self.workdir / "utab"),
+        }
+
+    def _ctr(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(self.bin / "ctr"), f"--address={config.containerd_socket(self.workdir)}", "--namespace=k8s.io", *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    def _import_images(self) -> None:
+        for archive in self.images:
+            result = self._ctr("images", "import", "--local", str(archive))
+            if result.returncode != 0:
+                raise NodeError(f"ctr images import {archive}: {result.stderr.strip()}")
+
+    def _kube_proxy(self) -> None:
+        assert self.cluster is not None
+        conf = self.workdir / "kube-proxy.yaml"
+        conf.write_text(yaml.safe_dump(config.kube_proxy_config(self.cluster.kubeconfig, self.name), sort_keys=False))
+        child = self._spawn("kube-proxy", [str(self.bin / "kube-proxy"), f"--config={conf}", "--v=1"], env=self._env())
+        _wait_http(child, f"http://127.0.0.1:{config.KUBE_PROXY_HEALTHZ_PORT}/healthz", time.monotonic() + 60, ok=None)
+
+    def _kubelet(self) -> None:
+        assert self.cluster is not None
+        conf = self.workdir / "kubelet.yaml"
+        conf.write_text(yaml.safe_dump(config.kubelet_config(self.workdir, self.cgroup_root), sort_keys=False))
+        (self.workdir / "kubelet-pki").mkdir(exist_ok=True)
+        (self.workdir / "kubelet-cwd").mkdir(exist_ok=True)
+        self._spawn(
+            "kubelet",
+            [
+                self.cluster.binary("kubelet"),
+                f"--config={conf}",
+                f"--kubeconfig={self.cluster.kubeconfig}",
+                "--root-dir=/var/lib/kubelet",
+                f"--cert-dir={self.workdir / 'kubelet-pki'}",
+                f"--hostname-override={self.name}",
+                f"--node-ip={config.NODE_IP}",
+                "--v=2",
+            ],
+            env=self._env(),
+        )
+
+    def _wait_node_ready(self, deadline: float) -> None:
+        assert self.cluster is not None
+        api = self.cluster
+        while True:
+            for child in self.children:
+                if not child.alive():
+                    raise NodeError(f"{child.name} exited; log {child.log}:\n{child.tail()}")
+            found = api.kubectl("get", "node", self.name, "-o", "json", check=False)
+            if found.returncode == 0:
+                node = json.loads(found.stdout)
+                ready = _condition(node, "Ready")
+                taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("effect") == "NoSchedule"]
+                if ready and ready.get("status") == "True" and not taints:
+                    return
+            if time.monotonic() > deadline:
+                kubelet = next(c for c in self.children if c.name == "kubelet")
+                raise NodeError(f"node {self.name} not Ready and untainted in time; log {kubelet.log}:\n{kubelet.tail()}")
+            time.sleep(0.5)
+
+    # -- stop --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            with contextlib.suppress(Exception):
+                child.stop(timeout=10)
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.cluster is not None:
+            self.cluster.stop(timeout=5)
+
+
+def _may_lower_oom_score() -> bool:
+    """Whether this process holds CAP_SYS_RESOURCE (bit 24 of its effective set), which lowering
+    an oom_score_adj below the current one takes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) & (1 << 24))
+    return False
+
+
+def kubevirt_crds(cluster: clusters.LocalCluster) -> Path:
+    directory = cluster.workdir / "kubevirt-crds"
+    kubevirt.write_crds(directory)
+    return directory
+
+
+def _wait_http(child: _Child, url: str, deadline: float, ok: bytes | None = b"ok") -> None:
+    import ssl
+    import urllib.request
+
+    context = ssl._create_unverified_context()  # its own self-signed certificate, on loopback
+    while True:
+        if not child.alive():
+            raise NodeError(f"{child.name} exited; log {child.log}:\n{child.tail()}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2, context=context if url.startswith("https") else None) as r:
+                body = r.read()
+                if ok is None or body.strip() == ok:
+                    return
+        if time.monotonic() > deadline:
+            raise NodeError(f"{child.name} not healthy at {url} in time; log {child.log}:\n{child.tail()}")
+        time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.realnode.inside")
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--node-name", required=True)
+    parser.add_argument("--cgroup-root", required=True)
+    parser.add_argument("--runc", required=True)
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--image", type=Path, action="append", default=[])
+    args = parser.parse_args(argv)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    node = Node(args)
+    try:
+        info = node.start()
+    except BaseException as exc:  # noqa: BLE001 - any failure is reported to the caller whole
+        (args.workdir / "failed.txt").write_text(f"{exc}\n\n{traceback.format_exc()}")
+        node.stop()
+        return 1
+    (args.workdir / "ready.json.partial").write_text(json.dumps(info))
+    (args.workdir / "ready.json.partial").rename(args.workdir / "ready.json")
+    while not stopping.wait(1):
+        for child in node.children:
+            if not child.alive():
+                (args.workdir / "failed.txt").write_text(f"{child.name} exited; log {child.log}:\n{child.tail()}")
+                stopping.set()
+    node.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
