@@ -69,14 +69,21 @@ def kubectl_of(cluster, workdir: Path) -> Callable[..., subprocess.CompletedProc
     return run
 
 
-def run_printed(output: str, retry: float = 30) -> list[str]:
+def documented_commands(page: Path) -> list[str]:
+    """The `kubectl` lines of a page's first code block, without their comments."""
+    block = page.read_text().split("```\n", 2)[1]
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("kubectl ")]
+
+
+def run_printed(output: str, retry: float = 30, only: list[str] | None = None) -> list[str]:
     """Run the commands `make run` printed for another shell, as printed: its `export` and `alias`
-    lines, then each `kubectl` line in order, each until it succeeds (the operator may still be at
-    work on the step before, as it would be for a reader). Returns the commands without their comments."""
+    lines, then each `kubectl` line in order (or those of `only`), each until it succeeds (the
+    operator may still be at work on the step before, as it would be for a reader). Returns the
+    commands without their comments."""
     block = output.split("Use the cluster from another shell:\n", 1)[1].split("Logs: ", 1)[0]
     lines = [line.strip() for line in block.splitlines()]
     setup = [line for line in lines if line.startswith(("export KUBECONFIG=", "alias kubectl="))]
-    commands = [line for line in lines if line.startswith("kubectl ")]
+    commands = [line for line in lines if line.startswith("kubectl ")] if only is None else only
     assert len(setup) == 2 and commands, output
     for command in commands:
         def ran(command=command):
@@ -129,6 +136,12 @@ def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, t
         # steps are the DRA mode's, and the container records are named where a kubelet runs.
         commands = run_printed(output)
         assert commands[:7] == common_steps(workdir), commands
+        # The docs' walkthrough (docs/tasks/assign.md) makes the same changes and reads what it
+        # says it reads: its commands run as written too.
+        documented = documented_commands(REPO / "docs" / "tasks" / "assign.md")
+        assert [c for c in documented if not c.startswith("kubectl get ")] == [
+            c for c in commands if not c.startswith(("kubectl get ", "kubectl describe "))], documented
+        run_printed(output, only=[c for c in documented if c not in commands])
         eventually(lambda: kubectl("get", "pci", "-n", "team-a", devcluster.FIRST_GPU).returncode == 0, 30,
                    lambda: f"PCIDevice team-a/{devcluster.FIRST_GPU}")  # fmt: skip
         if not kubelet.why_unavailable(cluster):
