@@ -27,6 +27,7 @@ from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2_grp
 from passthrough.deviceplugin.server import API_VERSION, DevicePlugin
 from passthrough.kube.custom import Custom
 from passthrough.pci.naming import exclusive_resource_name, resource_env_name
+from tests.integration.test_operator_lifecycle import wait_condition
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
@@ -192,6 +193,10 @@ async def test_the_node_pci_device_and_the_new_namespaces_pci_device_say_which_p
     mine = [{"namespace": team_a, "pod": "vm-a5", "resource": resource}]
     await wait_holders(api, name, mine, agent)
     await wait_holders(api, name, mine, agent, namespace=team_a)
+    # Attached says so on both objects: a plain pod, no VirtualMachine.
+    said = f"Held by pod {team_a}/vm-a5 (no VirtualMachine lists it)."
+    await wait_condition(Custom(api, "nodepcidevices"), name, "Attached", "HeldByPod", contains=said)
+    await wait_condition(Custom(api, "pcidevices", namespaced=True), name, "Attached", "HeldByPod", team_a, contains=said)
     await support.delete_pod(api, team_a, "vm-a5")
     await support.assign(api, name, "")
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
