@@ -41,11 +41,13 @@ run: controlplane
 	$(TESTNS) $(PY) -m e2e.devcluster $(if $(filter-out 0,$(DRA)),--dra)
 
 ## The real-kernel rig (e2e/guest): Debian's qemu-system-x86 and busybox-static when missing, and
-## the 6.1 and 6.12 kernels unpacked into the cache. Where that fails the real-kernel tests skip,
-## saying why; under CI=true it fails.
+## the 6.1 and 6.12 kernels unpacked into the cache, and runc (e2e/oci.py) that runs the chart's
+## containers in the guest. Where that fails the real-kernel tests skip, saying why; under CI=true
+## it fails.
 .PHONY: realkernel
 realkernel: venv
 	$(PY) -m e2e.guest.kernel
+	$(PY) -m e2e.oci
 
 ## Every test: unit tests, tests against the real control plane and on a real kernel.
 test: controlplane realkernel

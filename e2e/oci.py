@@ -287,11 +287,14 @@ def bundle(
 
 
 def main() -> int:
+    """`python -m e2e.oci` (make realkernel): runc, ready. Where it cannot be built, one line says
+    why and the tests that run containers skip (exit 0), except under CI=true (exit 1)."""
     try:
         print(ensure_runc())
     except RuncUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        required = os.environ.get("CI", "").lower() == "true"
+        _log(f"{'cannot' if required else 'the tests that run containers will skip: cannot'} build runc: {exc}")
+        return 1 if required else 0
     return 0
 
 
