@@ -114,6 +114,8 @@ async def test_a_device_reassigned_while_a_claim_holds_it_waits_for_the_claim_in
         old, new = await support.wait_for(held, 30, 0.2, what="team-a's PCIDevice Terminating, team-b's HeldElsewhere")
         assert old["metadata"]["finalizers"] == [FINALIZER]
         assert f"Still held by ResourceClaim {team_a}/gpu (pod a-launcher)" in attached(new)["message"]
+        # Who waits, in DRA mode's words: a claim of team-b's class, not a device name.
+        assert f"; a claim here of DeviceClass passthrough-{team_b} waits until ResourceClaim {team_a}/gpu" in attached(new)["message"]
 
         await support.delete_pod(api, team_a, "a-launcher")
         await support.wait_for(lambda: _unprepared(kubelet), 30, what="team-a's claim unprepared")

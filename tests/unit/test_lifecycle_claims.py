@@ -127,6 +127,8 @@ def test_reassigning_a_device_a_claim_holds_keeps_the_old_pcidevice_and_the_new_
     assert (held["status"], held["reason"]) == ("False", "HeldElsewhere")
     assert f"Still held by ResourceClaim team-a/gpu (pod {POD}), in the device's previous namespace" in held["message"]
     assert "lets go of it (its pods end, or it is deleted)" in held["message"]
+    # Who waits is told in the mode's words: without DRA mode, a VM that asks for the device's name.
+    assert "a VM here that asks for passthrough.io/" in held["message"] and "claim" not in held["message"].split(";")[1]
     assert "stays until ResourceClaim team-a/gpu" in moved.node_device.assigned.message
     assert FINALIZER in moved.node_device.finalizers
     # A claim of team-b meanwhile (the scheduler gives an allocated device to no other claim, but
@@ -165,6 +167,16 @@ def test_in_dra_mode_an_unused_device_points_the_tenant_to_its_namespaces_device
     # Without DRA mode, the device plugins' way: the VM's hostDevices.
     [pcidev] = converge(world(node_device("team-a"))).devices
     assert "set deviceName passthrough.io/" in attached(pcidev)["message"]
+
+
+def test_in_dra_mode_a_device_held_elsewhere_tells_of_a_claim_of_the_class_not_a_device_name():
+    settled = converge(claimed(dataclasses.replace(world(node_device("team-a")), device_class="passthrough-team-a"), GPU_CLAIM))
+    moved = converge(dataclasses.replace(settled, node_device=dataclasses.replace(settled.node_device, assigned_namespace="team-b"),
+                                         device_class="passthrough-team-b"))  # fmt: skip
+    held = attached({d.namespace: d for d in moved.devices}["team-b"])
+    assert held["reason"] == "HeldElsewhere"
+    assert "; a claim here of DeviceClass passthrough-team-b waits until ResourceClaim team-a/gpu" in held["message"], held
+    assert "passthrough.io/" not in held["message"]
 
 
 def test_in_dra_mode_assigned_and_its_event_name_the_device_class_not_a_device_name():

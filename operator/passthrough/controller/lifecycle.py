@@ -314,8 +314,9 @@ def _device_status(
                  f"Pending) until {until}.")
             if users
             else Cond("False", "HeldElsewhere",
-                      f"Still held by {holders}, in the device's previous namespace; a VM or claim here that asks for "
-                      f"{resource} waits until {until}.")
+                      f"Still held by {holders}, in the device's previous namespace; "
+                      + (f"a claim here of DeviceClass {device_class}" if device_class else f"a VM here that asks for {resource}")
+                      + f" waits until {until}.")
         )  # fmt: skip
     else:
         pods = tuple(h for h in npci.holders if h[0] == users.namespace)
