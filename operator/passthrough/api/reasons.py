@@ -71,6 +71,14 @@ REASONS: dict[str, Reason] = {
         "Nothing: it is given back once that process lets go. Stop the VM that holds it to hurry it.",
         _READY, _NODE_WAITS,
     ),
+    "HeldUnknown": Reason(
+        "The agent's binder cannot tell whether something holds the device's IOMMU group (/dev/vfio/<group> "
+        "cannot be opened from the binder, and the members' enable counts cannot be read), so the group stays on "
+        "vfio-pci: giving it back under a VM would pull the device out from under it.",
+        "Give the agent's binder read access to the host's sysfs (the hostPath mounts the chart renders for it); "
+        "the agent looks again at its next scan.",
+        _READY, _NODE_SAYS,
+    ),
     "HeldByPod": Reason(
         "Ready: a pod on the node holds the device under its previous resource or namespace: nobody else gets "
         "it until that pod ends. Attached: a pod holds the device (device-plugin mode: a plain pod that asks for "
