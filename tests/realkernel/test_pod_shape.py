@@ -21,7 +21,7 @@ import pytest
 
 from e2e import chart, oci
 from e2e.guest.kernel import SERIES
-from e2e.guest.machine import E1000E, address
+from e2e.guest.machine import AUDIO, DISPLAY, E1000E, EDU, address
 from e2e.guest.node import GuestNode, assign, condition, drivers, events, ready, wait, wait_drivers
 from e2e.guest.vmm import NestedVmm
 from tests.realkernel.conftest import WRITE_DEADLINE, _absent
@@ -29,6 +29,7 @@ from tests.realkernel.conftest import WRITE_DEADLINE, _absent
 pytestmark = pytest.mark.realkernel
 
 DUAL = [address("dualnic", 0), address("dualnic", 1)]
+DISPLAY_FN, AUDIO_FN, EDU_FN = address("gpu", 0), address("gpu", 1), address("edu")
 _ENABLE = """
 result = {a: int(open(f'/sys/bus/pci/devices/{a}/enable').read()) for a in args['addresses']}
 """
@@ -168,6 +169,36 @@ def test_a_group_a_vmm_holds_stays_bound_when_the_binder_runs_as_the_chart_shape
     wait_drivers(guest, dict.fromkeys(DUAL, E1000E.driver), timeout=120)
     print(f"\nbinder in the chart's shape: HeldByProcess {said:.1f}s after the unassignment; given back "
           f"{time.monotonic() - exited:.1f}s after the VMM exited")  # fmt: skip
+
+
+def test_a_write_that_blocks_in_the_binder_container_leaves_the_agent_serving(guest, shaped, tenant):
+    """The binder container's child blocks in the kernel (snd_hda_intel's remove waits for an open
+    sound device): the agent reports WriteBlocked, binds and serves another device meanwhile, and
+    finishes once the holder lets go; the late child's answer finds the agent gone from it."""
+    node, binder = shaped
+    card = guest.sh(f"ls /sys/bus/pci/devices/{AUDIO_FN}/sound").stdout.split()[0]
+    control = f"/dev/snd/controlC{card[len('card'):]}"
+    holder = guest.spawn("shape-snd-holder", ["/bin/sh", "-c", f"exec sleep 100000 <{control}"])
+    try:
+        wait(lambda: guest.run("readlink", f"/proc/{holder.pid}/fd/0", check=False).stdout.strip() == control,
+             30, f"a process to hold {control}")  # fmt: skip
+        assign(node, DISPLAY_FN, tenant)
+        blocked = wait(lambda: ready(node, DISPLAY_FN, "WriteBlocked"), 180, "Ready=False/WriteBlocked", node)
+        assert f"has not returned after {WRITE_DEADLINE:g} s" in blocked["message"], blocked
+        other = time.monotonic()
+        assign(node, EDU_FN, tenant)
+        wait_drivers(guest, {EDU_FN: "vfio-pci"}, timeout=120)
+        wait(lambda: condition(node.devices()[EDU_FN], "Ready").get("status") == "True", 120, "edu Ready meanwhile", node)
+        print(f"\nbinder container blocked in a write: another device bound and Ready {time.monotonic() - other:.1f}s "
+              "after its assignment")  # fmt: skip
+        assert ready(node, DISPLAY_FN, "WriteBlocked"), "still blocked while the holder holds on"
+    finally:
+        holder.stop()
+    wait_drivers(guest, {DISPLAY_FN: "vfio-pci", AUDIO_FN: "vfio-pci"}, timeout=120)
+    wait(lambda: condition(node.devices()[DISPLAY_FN], "Ready").get("status") == "True", 120, "the display Ready", node)
+    assign(node, DISPLAY_FN, "")
+    assign(node, EDU_FN, "")
+    wait_drivers(guest, {DISPLAY_FN: DISPLAY.driver, AUDIO_FN: AUDIO.driver, EDU_FN: EDU.driver}, timeout=120)
 
 
 @pytest.mark.parametrize("series", list(SERIES))
