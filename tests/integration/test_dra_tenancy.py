@@ -346,6 +346,100 @@ async def test_admin_access_to_a_passthrough_class_is_refused(api, webhooks, nam
     await create_claim(api, namespace, claim("plain", f"passthrough-{namespace}"))
 
 
+async def test_the_other_claim_routes_through_a_class_of_every_device_never_reach_another_namespaces_device(
+    api, kubelet, agent, webhooks, operator, namespace, unique, device_class
+):
+    """A `firstAvailable` subrequest, `allocationMode: All`, and a claim made by
+    kube-controller-manager from a ResourceClaimTemplate, each in team-b through a class that
+    matches team-a's GPU: the scheduler picks it for each, the allocation gate refuses each (the
+    operator's log names every claim), and no pod of team-b starts."""
+    core = client.CoreV1Api(api)
+    session = session_of(api)
+    team_a, team_b = namespace, await support.create_namespace(api, f"team-b-{unique}")
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    await support.assign(api, names[GPU], team_a)
+    first = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "first"}, "spec": {"devices": {
+        "requests": [{"name": "gpu", "firstAvailable": [{"name": "any", "deviceClassName": device_class}]}]}}}  # fmt: skip
+    template = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "tpl"},
+                "spec": {"spec": claim("tpl", device_class)["spec"]}}  # fmt: skip
+    from_template = claim_pod("tpl-launcher", "")
+    from_template["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "tpl"}]
+    pods = ("first-launcher", "all-launcher", "tpl-launcher")
+    try:
+        await published(api, kubelet, agent, {DEVICE: team_a})
+        await create_claim(api, team_b, first)
+        await create_claim(api, team_b, claim("all", device_class, allocationMode="All"))
+        await session.request("POST", f"{RESOURCE}/namespaces/{team_b}/resourceclaimtemplates", body=template)
+        # One at a time: the scheduler, once it has picked the GPU for one pod, finds nothing for
+        # the others until that pod is tried again.
+        for pod, claim_name in ((claim_pod("first-launcher", "first"), "first"), (claim_pod("all-launcher", "all"), "all"),
+                                (from_template, "tpl-launcher-gpu-")):  # fmt: skip
+            name = pod["metadata"]["name"]
+            await support.create_pod(api, team_b, pod)
+            refused = f"device {DEVICE} of node {kubelet.node_name} is not for claim {team_b}/{claim_name}"
+
+            async def said():
+                return refused in operator.output()
+
+            await support.wait_for(said, 60, 0.2, what=lambda: f"{name}'s claim refused; operator log:\n{operator.output()[-3000:]}")
+            assert not (await core.read_namespaced_pod(name, team_b)).spec.node_name, name
+            await support.delete_pod(api, team_b, name)
+        claims = (await session.request("GET", f"{RESOURCE}/namespaces/{team_b}/resourceclaims"))["items"]
+        assert not any((c.get("status") or {}).get("allocation") for c in claims), claims
+        assert not any(c.get("envs", {}).get("MARK") in pods for c in kubelet.created_containers())
+    finally:
+        for pod in pods:
+            await support.delete_pod(api, team_b, pod)
+        await support.assign(api, names[GPU], "")
+        await core.delete_namespace(team_b)
+    await published(api, kubelet, agent, {})
+
+
+async def test_a_claim_shared_by_several_pods_is_shared_only_in_its_namespace(
+    api, kubelet, agent, webhooks, operator, namespace, unique
+):
+    """Two pods of team-a name one claim: both get its device (one claim, prepared once). A pod of
+    team-b naming a claim of that name names its own namespace's claim, never team-a's."""
+    core = client.CoreV1Api(api)
+    team_a, team_b = namespace, await support.create_namespace(api, f"team-b-{unique}")
+    names = await support.reported(api, kubelet.node_name, (GPU, AUDIO))
+    own = f"passthrough-{team_a}"
+    await support.assign(api, names[GPU], team_a)
+    try:
+        await published(api, kubelet, agent, {DEVICE: team_a})
+        await support.wait_for(lambda: live_class(api, own), 30, 0.2, what=f"DeviceClass {own}")
+        await create_claim(api, team_a, claim("shared", own))
+        for pod in ("one-launcher", "two-launcher"):
+            await support.create_pod(api, team_a, claim_pod(pod, "shared"))
+        first = await created(core, team_a, kubelet, "one-launcher", timeout=90)
+        second = await created(core, team_a, kubelet, "two-launcher", timeout=90)
+        assert first["cdi_devices"] == second["cdi_devices"]
+        reserved = (await read_claim(api, team_a, "shared"))["status"]["reservedFor"]
+        assert sorted(r["name"] for r in reserved) == ["one-launcher", "two-launcher"]
+
+        # team-b's pod naming "shared" names team-b's claim: the scheduler holds it back while
+        # there is none, and tries it (no device of team-b: Unschedulable) once team-b makes one.
+        await support.create_pod(api, team_b, claim_pod("b-launcher", "shared"))
+        await create_claim(api, team_b, claim("shared", f"passthrough-{team_b}"))
+
+        async def tried():
+            pod = await core.read_namespaced_pod("b-launcher", team_b)
+            return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in pod.status.conditions or [])
+
+        await support.wait_for(tried, 60, 0.2, what="team-b's pod tried with team-b's own claim")
+        reserved = (await read_claim(api, team_a, "shared"))["status"]["reservedFor"]
+        assert sorted(r["name"] for r in reserved) == ["one-launcher", "two-launcher"]
+        assert "allocation" not in ((await read_claim(api, team_b, "shared")).get("status") or {})
+    finally:
+        for ns, pod in ((team_b, "b-launcher"), (team_a, "one-launcher"), (team_a, "two-launcher")):
+            await support.delete_pod(api, ns, pod)
+        await support.wait_for(lambda: _unprepared(kubelet), 30, what="team-a's claim unprepared")
+        await _release_quietly(api, team_a, "shared")
+        await support.assign(api, names[GPU], "")
+        await core.delete_namespace(team_b)
+    await published(api, kubelet, agent, {})
+
+
 async def test_an_allocation_with_admin_access_is_refused_whatever_the_class(
     api, kubelet, agent, webhooks, operator, namespace, device_class
 ):
