@@ -126,7 +126,7 @@ def test_forbidden_jobs_are_refused_with_nothing_touched(guest, binder):
         "a mounted NVMe": (job("bind", nvme_group, nvme_members), "NotEligible", "mounted"),
         "a NIC whose link is up": (job("bind", nic_group, nic_members), "NotEligible", "is up"),
         "the bus-00 AHCI controller": (job("bind", ahci_group, ahci_members), "NotEligible", "bus 00"),
-        "one function of a two-function group": (job("bind", gpu_group, [DISPLAY_FN]), "JobRefused", "moves whole"),
+        "one function of a two-function group": (job("bind", gpu_group, [DISPLAY_FN]), "JobRefused", "whole"),
         "a sysfs root the job names": (job("bind", edu_group, edu_members, sysfs="/run/rk-planted", dev="/dev"),
                                        "JobRefused", "'dev', 'sysfs'"),
         "an op of its own": (job("remove", edu_group, edu_members), "JobRefused", "not bind or release"),

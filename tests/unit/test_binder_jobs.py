@@ -37,6 +37,8 @@ def test_a_whole_eligible_group_is_accepted(tmp_path):
     assert jobs.judge(job(), roots(host)) == jobs.Job("bind", 20, (GPU, AUDIO), 5.0, {})
     release = jobs.judge(job("release", overrides={GPU: "", AUDIO: "vfio-pci"}), roots(host))
     assert release.overrides == {GPU: "", AUDIO: "vfio-pci"}
+    # A give-back of the agent's own members of a group leaves the rest (an admin's pin) alone.
+    assert jobs.judge(job("release", members=[AUDIO]), roots(host)).members == (AUDIO,)
 
 
 @pytest.mark.parametrize(
@@ -57,8 +59,9 @@ def test_a_whole_eligible_group_is_accepted(tmp_path):
         (job("release", overrides={GPU: "x" * 3016}), "cleared or vfio-pci"),
         (job("release", overrides={GPU: "vfio-pci\n"}), "cleared or vfio-pci"),
         (job("release", overrides={"0000:af:00.0": ""}), "not members of the job"),
-        (job(members=[GPU]), "a group moves whole"),
-        (job(group=21), "a group moves whole"),
+        (job(members=[GPU]), "a group moves to vfio-pci whole"),
+        (job(group=21), "a group moves to vfio-pci whole"),
+        (job("release", group=21), "0000:3b:00.0, 0000:3b:00.1 are not in it"),
     ],
 )
 def test_a_job_of_another_shape_is_refused(tmp_path, raw, says):
@@ -112,3 +115,10 @@ def test_a_confined_process_writes_only_the_bind_files_below_its_root_and_throug
         sysfs.write_text(device / "driver_override", "vfio-pci")
     assert e.value.errno is not None  # ELOOP: the kernel's refusal of O_NOFOLLOW
     assert victim.read_text() == "untouched"
+
+
+def test_a_group_with_a_member_in_use_is_not_moved(tmp_path):
+    host = gpu_node(tmp_path)
+    host.add_netdev(AUDIO, "eth9", up=True)  # whatever it is, the group's other function is in use
+    error = refusal(job(), host)
+    assert error.reason == "NotEligible" and "eth9 is up" in str(error), error

@@ -9,10 +9,11 @@ killed until the write returns, so nobody waits for it.
 
 The child is `python -m passthrough.pci.binder --sysfs-root=... --dev-root=... --proc-root=...`
 (the agent's roots): one JSON job per line on stdin, one JSON answer per line on stdout. Or,
-where the agent itself may not write sysfs (the chart's least-privilege pod: its container sees the host's /sys read-only), `passthrough binder --listen SOCKET` runs in a
-container of its own that may, and forks a child per connection that speaks the same lines:
-the agent's `Binder(socket=...)` connects instead of starting a child, and sets a blocked
-connection aside just as it sets a blocked child aside.
+where the agent itself may not write sysfs (the chart's least-privilege pod: its container
+sees the host's /sys read-only), `passthrough binder --listen SOCKET` runs in a container of
+its own that may, and forks a child per connection that speaks the same lines: the agent's
+`Binder(socket=...)` connects instead of starting a child, and sets a blocked connection aside
+just as it sets a blocked child aside.
 
 Either way the binder judges each job itself (`pci.jobs`): its roots are those of its own
 command line, never the job's, and it writes only the bind files below its sysfs root, never

@@ -160,12 +160,14 @@ class _Found:
 def discover(
     sysfs_root: Path, proc_root: Path, pci_ids: PciIds, locked: Container[str] = (), *, virtual_functions: bool = False,
     read_overrides: Callable[[Mapping[str, Path]], Mapping[str, str]] = overrides.in_process,
+    only: Container[str] | None = None,
 ) -> Discovery:  # fmt: skip
     """`locked`: devices with a sysfs write in flight, whose `driver_override` is not read (a read
     waits for the device lock that write holds). `read_overrides`: how the overrides of devices
     without a driver are read (the agent's `overrides.Isolated` leaves out a device whose read
     blocks, for a write it did not know of). `virtual_functions`: SR-IOV VFs are reported and
-    may be eligible (the admin's opt-in); otherwise they are left out."""
+    may be eligible (the admin's opt-in); otherwise they are left out. `only`: the devices to
+    read, the rest left out (the binder judges one IOMMU group: name all of its members)."""
     sysfs_root, proc_root = Path(sysfs_root), Path(proc_root)
     problems: list[str] = []
     node = NodeState(iommu_enabled=_iommu_enabled(sysfs_root), vfio_available=vfio_available(sysfs_root))
@@ -177,7 +179,7 @@ def discover(
     except SysfsError as e:
         names = []
         problems.append(str(e))
-    for address in names:
+    for address in names if only is None else [n for n in names if n in only]:
         if not ADDRESS.fullmatch(address):
             problems.append(f"{devices_dir / address} is not named like a PCI address (0000:3b:00.0); ignored")
             continue

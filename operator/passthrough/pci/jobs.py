@@ -7,7 +7,8 @@ and /proc it works on come from its command line (`Roots`), never from the job. 
 nothing written:
 - a job of another shape (unknown fields, roots among them; a timeout out of range);
 - members that are not the group's whole set of non-bridge functions, as the host's sysfs
-  lists it now (a group moves whole, or not at all);
+  lists it now (a group moves to vfio-pci whole, or not at all; a give-back may leave some
+  where they are, an admin's pin, but names none outside the group);
 - a bind of a device that discovery's rules keep from passthrough (`pci.discovery`,
   `pci.disks`): bus 00, bridges, a disk in use, an interface that is up, a PF with VFs, ...;
 - a give-back that would set any `driver_override` but a cleared one or vfio-pci's: what the
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from passthrough.pci import vfio
+from passthrough.pci import sysfs, vfio
 from passthrough.pci.discovery import ADDRESS, discover
 from passthrough.pci.pciids import PciIds
 from passthrough.pci.sysfs import SysfsError
@@ -81,11 +82,12 @@ def judge(raw: Any, roots: Roots) -> Job:
         members = vfio.group_members(roots.sysfs, job.group)
     except SysfsError as exc:
         raise refused(f"the members of IOMMU group {job.group} cannot be read ({exc})") from None
-    if sorted(job.members) != sorted(members):
-        raise refused(
-            f"IOMMU group {job.group} is {', '.join(members) or 'no device but bridges'} (bridges stay with the host), "
-            f"not {', '.join(job.members)}: a group moves whole"
-        )
+    group = f"IOMMU group {job.group} is {', '.join(members) or 'no device but bridges'} (bridges stay with the host)"
+    if job.op == "bind" and sorted(job.members) != sorted(members):
+        raise refused(f"{group}, not {', '.join(job.members)}: a group moves to vfio-pci whole")
+    strangers = sorted(set(job.members) - set(members))
+    if strangers:  # a give-back may leave some members where they are (an admin's pin)
+        raise refused(f"{group}: {', '.join(strangers)} are not in it")
     if job.op == "bind":
         _eligible(job, roots)
     return job
@@ -126,7 +128,10 @@ def _shape(raw: Any) -> Job:
 
 def _eligible(job: Job, roots: Roots) -> None:
     """Discovery's verdict on each member, read now from the binder's own roots."""
-    found = discover(roots.sysfs, roots.proc, PciIds(), _Everything(), virtual_functions=roots.virtual_functions)
+    # The group's devices only (bridges too: the group rule reads them): a bind's deadline counts this.
+    listing = roots.sysfs / "kernel" / "iommu_groups" / str(job.group) / "devices"
+    found = discover(roots.sysfs, roots.proc, PciIds(), _Everything(), virtual_functions=roots.virtual_functions,
+                     only=frozenset(sysfs.entries(listing)))  # fmt: skip
     devices = {d.address: d for d in found.devices}
     for address in job.members:
         device = devices.get(address)
