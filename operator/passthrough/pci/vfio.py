@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from passthrough.pci import sysfs
+from passthrough.pci import overrides, sysfs
 from passthrough.pci.discovery import BRIDGE_CLASS, vfio_available
 from passthrough.pci.sysfs import SysfsError, SysfsWriteError
 
@@ -83,23 +83,14 @@ def group_members(sysfs_root: Path, group: int) -> list[str]:
 
 
 def _driver_name(sysfs_root: Path, address: str) -> str | None:
-    """The device's driver, "" when none, None when the device is gone. A readlink: it takes no
-    device lock, so it never waits behind a write that blocks."""
-    entry = os.path.join(sysfs_root, "bus", "pci", "devices", address)
-    try:
-        return os.path.basename(os.readlink(os.path.join(entry, "driver")))
-    except OSError:
-        return "" if os.path.lexists(entry) else None
+    """The device's driver, "" when none, None when the device is gone (`sysfs.driver_of`)."""
+    return sysfs.driver_of(Path(sysfs_root) / "bus" / "pci" / "devices" / address)
 
 
 def state(sysfs_root: Path, address: str) -> tuple[str | None, str]:
     """A device's driver (as `_driver_name`) and `driver_override` ("" when unset). Reading the
     override waits for the device lock: not for the agent's own process."""
-    try:
-        override = sysfs.read_text(Path(sysfs_root) / "bus" / "pci" / "devices" / address / "driver_override")
-    except SysfsError:
-        override = ""
-    return _driver_name(sysfs_root, address), "" if override == "(null)" else override
+    return _driver_name(sysfs_root, address), overrides.read(Path(sysfs_root) / "bus" / "pci" / "devices" / address)
 
 
 def group_problem(sysfs_root: Path, dev_root: Path, group: int) -> str:
@@ -318,23 +309,11 @@ class _Host:
 
     def driver(self, address: str) -> str | None:
         """The device's driver, "" when it has none, None when the device is gone."""
-        entry = self.device(address)
-        try:
-            return os.path.basename(os.readlink(entry / "driver"))
-        except FileNotFoundError:
-            return "" if entry.exists() else None
-        except OSError as e:
-            if not entry.exists():
-                return None
-            raise BindError("BindFailed", f"{entry / 'driver'} is not a readable link ({e.strerror or e})") from None
+        return sysfs.driver_of(self.device(address))
 
     def override(self, address: str) -> str:
         # Unreadable counts as unset: the write that follows says what is wrong with the file.
-        try:
-            value = sysfs.read_text(self.device(address) / "driver_override")
-        except SysfsError:
-            return ""
-        return "" if value == "(null)" else value
+        return overrides.read(self.device(address))
 
     def check_member(self, address: str) -> None:
         if not self.device(address).exists():
