@@ -5,9 +5,11 @@ virt-api and virt-controller, built from KubeVirt's Go module at the release
 - `install_manifest(namespace)`: what virt-operator installs for a KubeVirt CR in `namespace`,
   from its own install strategy (`install/main.go`): the CRDs, virt-api's webhook
   configurations, the two Deployments. `e2e/kubevirt.py` installs the CRDs from it.
-- `KubeVirtControllers`: virt-api and virt-controller as processes on 127.0.0.1, virt-api's
-  webhooks registered as virt-operator registers them, pointed at the process. They read the
-  KubeVirt CR of their namespace (`kubevirt`), which the operator configures.
+- `KubeVirtControllers`: virt-api and virt-controller as processes on 127.0.0.1, with
+  virt-operator's own KubeVirt CR webhooks (`validator/main.go`: its create, update and delete
+  admitters; its update validator refuses a gate in both featureGates and disabledFeatureGates),
+  every webhook registered as virt-operator registers it, pointed at the process serving it.
+  They read the KubeVirt CR of their namespace (`kubevirt`), which the operator configures.
 
 Where the chain stops: virt-handler and virt-launcher do not run (they need libvirt and a
 node's /dev/kvm). What they would do for the rest of the chain is done by the caller: a node
@@ -16,7 +18,8 @@ is marked `kubevirt.io/schedulable=true` with the capacity of KubeVirt's own dev
 kubelet with the stand-in runtime, so its compute container is created but runs nothing.
 What virt-operator does around the programs is done here too, in its place: virt-api's
 serving certificate (for 127.0.0.1, in a file, as KubeVirt reads its mounted Secret), the CA
-ConfigMap, and the request-header CA virt-api insists on finding in
+ConfigMap, the KubeVirt CR's status (phase Deployed and the default architecture, which
+virt-api and virt-controller read), and the request-header CA virt-api insists on finding in
 `kube-system/extension-apiserver-authentication` (an aggregated API server's setting; the
 subresource API itself is not registered, so `virtctl start` is not available: VMs start by
 `runStrategy`).
@@ -33,6 +36,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -58,6 +62,8 @@ PACKAGES = {
 # Registered by virt-operator only while a feature gate asks for it.
 GATED_WEBHOOKS = frozenset({"virt-launcher-pod-mutator"})
 SCHEDULABLE = "kubevirt.io/schedulable"
+MACHINE_TYPE_LABEL = "machine-type.node.kubevirt.io/q35"
+GOARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())  # virt-operator's runtime.GOARCH
 # What virt-handler's device plugins advertise on a node: every launcher pod asks for kvm, and
 # for tun and vhost-net when it has a pod network interface.
 NODE_CAPACITY = {"devices.kubevirt.io/kvm": "1k", "devices.kubevirt.io/tun": "1k", "devices.kubevirt.io/vhost-net": "1k"}
@@ -226,11 +232,12 @@ class KubeVirtControllers:
     def _deployed(self) -> None:
         """The KubeVirt CRs of the namespace reported Deployed, as virt-operator reports its
         install done: virt-api and virt-controller read their configuration only from a CR
-        with a phase."""
+        with a phase, and take the VMs' default architecture from its status."""
         listed = json.loads(self.cluster.kubectl("get", "kubevirts", "-n", NAMESPACE, "-o", "json").stdout)["items"]
         for kv in listed:
+            status = {"status": {"phase": "Deployed", "defaultArchitecture": GOARCH}}
             self.cluster.kubectl("patch", "kubevirt", kv["metadata"]["name"], "-n", NAMESPACE, "--subresource=status",
-                                 "--type=merge", "-p", json.dumps({"status": {"phase": "Deployed"}}))  # fmt: skip
+                                 "--type=merge", "-p", json.dumps(status))  # fmt: skip
 
     def _register_webhooks(self, ports: dict[str, int]) -> None:
         """virt-operator's webhook configurations, each webhook pointed at the process that
@@ -277,8 +284,8 @@ class KubeVirtControllers:
 
     def _serves_tls(self, port: int) -> bool:
         context = ssl.create_default_context(cadata=self.serving.ca.decode())
-        with contextlib.suppress(OSError):
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock, context.wrap_socket(sock):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            with context.wrap_socket(sock, server_hostname="127.0.0.1"):
                 return True
         return False
 
@@ -334,8 +341,9 @@ class KubeVirtControllers:
 
 def mark_node(cluster, node: str) -> None:
     """What virt-handler does for a node it runs on, which launcher pods need to be scheduled
-    there: the `kubevirt.io/schedulable` label and its device plugins' capacity."""
-    cluster.kubectl("label", "node", node, f"{SCHEDULABLE}=true", "--overwrite")
+    there: the `kubevirt.io/schedulable` label, its node labeller's machine type (the default,
+    q35, which every launcher pod selects), and its device plugins' capacity."""
+    cluster.kubectl("label", "node", node, f"{SCHEDULABLE}=true", f"{MACHINE_TYPE_LABEL}=true", "--overwrite")
     patch = {"status": {"capacity": NODE_CAPACITY}}
     cluster.kubectl("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
 
