@@ -76,7 +76,7 @@ from passthrough.pci.binder import DEADLINE, Binder
 from passthrough.pci.discovery import BRIDGE_CLASS, Discovery, discover
 from passthrough.pci.health import Health
 from passthrough.pci.pciids import PciIds
-from passthrough.pci import vfio
+from passthrough.pci import overrides, vfio
 from passthrough.pci.vfio import BindError
 
 log = logging.getLogger(__name__)
@@ -280,7 +280,8 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         meta = node["metadata"]
         self._node_uid = meta["uid"]
         discovery = await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids,
-                                            self.binder.overdue_addresses(), virtual_functions=self.virtual_functions)  # fmt: skip
+                                            self.binder.overdue_addresses(), virtual_functions=self.virtual_functions,
+                                            read_overrides=overrides.AGENT)  # fmt: skip
         self.discovery = discovery
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         self._seen = handed, claimed = self._assignments()
