@@ -149,15 +149,13 @@ async def test_what_a_bind_that_returned_late_moved_is_kept_for_the_agents_recor
             await binder.close()
 
 
-@pytest.fixture
-def binder_container(tmp_path):
+def start_binder(socket, host):
     """`passthrough binder --listen` as its own process, as the chart runs it beside the agent,
-    over the host at tmp_path/host (its own roots)."""
+    over `host` (its own roots); returns once it listens."""
     import subprocess
     import sys
 
-    host = gpu_node(tmp_path / "host")
-    socket = tmp_path / "run" / "binder.sock"
+    socket.unlink(missing_ok=True)  # a restarted container's socket file is its own, made anew
     proc = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={socket}", f"--sysfs-root={host.sysfs}",
                              f"--dev-root={host.dev}", f"--proc-root={host.proc}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
@@ -165,7 +163,14 @@ def binder_container(tmp_path):
     while not socket.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
         time.sleep(0.05)
-    yield socket
+    return proc
+
+
+@pytest.fixture
+def binder_container(tmp_path):
+    """The binder container over the host at tmp_path/host."""
+    proc = start_binder(tmp_path / "run" / "binder.sock", gpu_node(tmp_path / "host"))
+    yield tmp_path / "run" / "binder.sock"
     proc.terminate()
     assert proc.wait(10) == 0  # at once, although one of its children may still be blocked in a write
 
@@ -186,6 +191,35 @@ async def test_through_a_binder_container_a_blocked_write_holds_up_only_its_own_
         assert binder.overdue == {}
     finally:
         await binder.close()
+
+
+async def test_a_binder_container_restarted_behind_a_blocked_write_takes_the_next_job(tmp_path):
+    """The container stops (its child blocked in the write stays in the kernel) and starts again:
+    the agent's next job goes to the new one, and the old write still counts until it returns."""
+    host = gpu_node(tmp_path / "host")
+    socket = tmp_path / "run" / "binder.sock"
+    first, second = start_binder(socket, host), None
+    fifo = block_unbind(host, "nvidia")
+    finished = asyncio.Event()
+    binder = Binder(deadline=1.5, on_finished=finished.set, socket=socket)
+    try:
+        with pytest.raises(BindError) as e:
+            await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+        assert e.value.reason == "WriteBlocked"
+        first.terminate()
+        assert first.wait(10) == 0
+        second = start_binder(socket, host)
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        assert binder.overdue_addresses() == {GPU, AUDIO}
+        await asyncio.to_thread(let_go, fifo)
+        await asyncio.wait_for(finished.wait(), 10)
+        assert binder.overdue == {}
+    finally:
+        await binder.close()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
 
 
 async def test_a_binder_container_that_is_not_there_is_said_with_what_to_look_at(tmp_path):
