@@ -1,15 +1,24 @@
 """Health the 1.37 way: an ill device stays in the ResourceSlice, tainted (NoSchedule; NoExecute
-once it fell off the bus), one gone from the bus leaves it; and the slice is written only when a
-taint comes or goes, never again for the time the API server stamps on it."""
+once it fell off the bus), one gone from the bus leaves it; the slice is written only when a
+taint comes or goes, never again for the time the API server stamps on it; and a claim allocated
+the device before it fell ill is not prepared until it recovers."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from pathlib import Path
+
+import pytest
 
 from e2e.fakesysfs import gpu_node
 from passthrough.dra import health as dra_health
 from passthrough.dra import slice as dra_slice
+from passthrough.dra.driver import Driver, PrepareError
+from passthrough.pci.discovery import discover
 from passthrough.pci.health import Health
+from passthrough.pci.pciids import PciIds
+from tests.unit.test_dra import NODE, FakeSession
 from tests.unit.test_dra_slices import offered as items
 
 GPU, AUDIO, GROUP = "0000:3b:00.0", "0000:3b:00.1", 20
@@ -44,3 +53,18 @@ def test_a_tainted_device_is_written_once_and_its_taint_keeps_the_time_the_api_s
     [again] = dra_slice.pool_bodies("node-1", "uid-1", [dra_slice.spec("node-1", [ill, other])], [live])
     taints = {d["name"]: d.get("taints") for d in again["spec"]["devices"]}
     assert taints[ill.name][0]["timeAdded"] == "2026-12-05T21:00:00Z" and taints[other.name] is None
+
+
+def test_a_claim_allocated_a_device_that_fell_ill_is_not_prepared_until_it_recovers(tmp_path):
+    host = gpu_node(tmp_path / "host")
+    claim = {"metadata": {"name": "vm", "namespace": "team-a", "uid": "u-1"},
+             "status": {"allocation": {"devices": {"results": [
+                 {"request": "gpu", "driver": dra_slice.DRIVER, "pool": NODE, "device": "pci-0000-3b-00-0"}]}}}}  # fmt: skip
+    driver = Driver(FakeSession(claim), NODE, sysfs_root=host.sysfs, dev_root=host.dev, kubelet_dir=tmp_path / "kubelet",
+                    cdi_dir=tmp_path / "cdi", pci_ids=PciIds.load(Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11"))  # fmt: skip
+    [gpu] = [d for d in discover(host.sysfs, host.proc, driver.pci_ids).devices if d.address == GPU]
+    driver.inventory = dra_slice.by_name([dra_slice.Published(gpu, "npci", "team-a")])
+    driver.unhealthy = {GPU: f"{AUDIO}'s PCIe link is down (current_link_width 0)"}
+    with pytest.raises(PrepareError, match=r"pci-0000-3b-00-0 \(0000:3b:00.0\) is unhealthy: 0000:3b:00.1's PCIe link is down"):
+        asyncio.run(driver._prepare("team-a", "vm", "u-1"))
+    assert driver.prepared == {} and not (tmp_path / "cdi").exists()

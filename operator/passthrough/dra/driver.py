@@ -517,6 +517,11 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                 if item.namespace and item.namespace != namespace:
                     raise PrepareError(f"device {item.name} ({item.device.address}) belongs to namespace {item.namespace}: "
                                        f"a claim of {namespace} never gets it")  # fmt: skip
+                if (why := self.unhealthy.get(item.device.address)) is not None:
+                    # Allocated before it fell ill (a taint keeps no claim from what it has): no
+                    # VM starts on it; the kubelet retries, and it is prepared once it recovers.
+                    raise PrepareError(f"device {item.name} ({item.device.address}) is unhealthy: {why}; the claim is "
+                                       "prepared once it recovers")  # fmt: skip
                 if result.get("adminAccess"):
                     raise PrepareError(f"device {item.name} ({item.device.address}) is allocated with adminAccess, which "
                                        "passthrough devices do not allow: VFIO gives a device to one VM at a time")  # fmt: skip
