@@ -78,6 +78,18 @@ async def denied(operator) -> float:
     return (await scrape(operator.metrics_port))(DECISIONS, kind=ALLOCATIONS, decision="denied")
 
 
+async def allocation_refused(api, operator, namespace: str, name: str, before: float) -> None:
+    """Until the operator has refused an allocation since its denied count was `before`, claim
+    `namespace/name` never allocated meanwhile."""
+
+    async def decided():
+        allocated = ((await read_claim(api, namespace, name)).get("status") or {}).get("allocation")
+        return {"allocated": allocated} if allocated else await denied(operator) > before
+
+    outcome = await support.wait_for(decided, 30, 0.2, what=f"the scheduler's allocation for claim {namespace}/{name} refused")
+    assert outcome is True, f"claim {namespace}/{name} was allocated: {outcome}"
+
+
 async def test_a_claim_of_another_namespace_is_never_allocated_a_device_whatever_its_class(
     api, kubelet, agent, webhooks, operator, namespace, unique, device_class
 ):
@@ -92,12 +104,7 @@ async def test_a_claim_of_another_namespace_is_never_allocated_a_device_whatever
         await support.create_pod(api, team_b, claim_pod("b-launcher", "stolen"))
         # The scheduler allocates team-a's GPU to team-b's claim (it matches the class) and writes
         # that into the claim's status: the webhook refuses it.
-        async def decided():
-            allocated = ((await read_claim(api, team_b, "stolen")).get("status") or {}).get("allocation")
-            return {"allocated": allocated} if allocated else await denied(operator) > before
-
-        outcome = await support.wait_for(decided, 30, 0.2, what="the scheduler's allocation of team-a's GPU to team-b refused")
-        assert outcome is True, f"team-b's claim was allocated: {outcome}"
+        await allocation_refused(api, operator, team_b, "stolen", before)
         assert not (await core.read_namespaced_pod("b-launcher", team_b)).spec.node_name
 
         # team-a's claim of the very same class gets it, through the same webhook.
@@ -456,12 +463,7 @@ async def test_an_allocation_with_admin_access_is_refused_whatever_the_class(
         await create_claim(api, namespace, claim("peek", device_class, adminAccess=True))
         await support.create_pod(api, namespace, claim_pod("peek-launcher", "peek"))
 
-        async def decided():
-            allocated = ((await read_claim(api, namespace, "peek")).get("status") or {}).get("allocation")
-            return {"allocated": allocated} if allocated else await denied(operator) > before
-
-        outcome = await support.wait_for(decided, 30, 0.2, what="the scheduler's adminAccess allocation refused")
-        assert outcome is True, f"the adminAccess claim was allocated: {outcome}"
+        await allocation_refused(api, operator, namespace, "peek", before)
         assert not (await core.read_namespaced_pod("peek-launcher", namespace)).spec.node_name
         assert not any(c.get("envs", {}).get("MARK") == "peek-launcher" for c in kubelet.created_containers())
     finally:
