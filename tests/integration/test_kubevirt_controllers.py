@@ -256,3 +256,41 @@ async def test_a_gate_the_cr_disables_is_reported_and_never_written_past_kubevir
         world.kubectl("patch", "kubevirt", "kubevirt", "-n", virt.NAMESPACE, "--type=json", "-p",
                       json.dumps([{"op": "remove", "path": "/spec/configuration/developerConfiguration/disabledFeatureGates"}]),
                       check=False)  # fmt: skip
+
+
+async def test_a_gpu_pool_vm_gets_one_gpu_never_its_audio_function(api, core, world, kubelet, agent, namespace):
+    """Each GPU shares its IOMMU group with an audio function; KubeVirt takes the addresses in
+    PCI_RESOURCE_<pool> by position, so only the GPU's may be there."""
+    await core.patch_node(kubelet.node_name, {"metadata": {"labels": {GPU_MODE: "true"}}})
+    try:
+        await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
+        result = create(world, namespace, vm("pool-user", gpus=[POOL]))
+        assert result.returncode == 0, result.stderr
+        pod = await launcher_pod(core, namespace, "pool-user")
+        container = await compute_container(core, kubelet, pod)
+        [address] = container["envs"][resource_env_name(POOL)].split(",")
+        assert address in ("0000:3b:00.0", "0000:af:00.0")
+        assert {d["host_path"] for d in container["devices"]} >= {"/dev/vfio/vfio", f"/dev/vfio/{GROUPS[address]}"}
+        world.kubectl("delete", "vm", "pool-user", "-n", namespace, "--wait=false")
+    finally:
+        await core.patch_node(kubelet.node_name, {"metadata": {"labels": {GPU_MODE: None}}})
+
+
+async def test_two_vms_for_one_device_one_runs_and_the_other_is_told_which_holds_it(api, core, world, kubelet, agent, namespace):
+    names = await device_names(api, kubelet.node_name)
+    gpu = names["0000:af:00.0"]
+    resource = exclusive_resource_name(gpu)
+    await support.assign(api, gpu, namespace)
+    await wait_resources(core, kubelet.node_name, {resource: "1"}, agent)
+    first, second = (create(world, namespace, vm(name, host_devices=[resource])) for name in ("first", "second"))
+    assert first.returncode == 0, first.stderr
+    # The second is refused before virt-controller makes anything, naming the VM that holds the device.
+    assert second.returncode != 0
+    assert f"is already used by VirtualMachine {namespace}/first; remove it from that VM first" in second.stderr, second.stderr
+    pod = await launcher_pod(core, namespace, "first")
+    container = await compute_container(core, kubelet, pod)
+    assert container["envs"][resource_env_name(resource)] == "0000:af:00.0"
+    pods = await core.list_namespaced_pod(namespace, label_selector="kubevirt.io=virt-launcher")
+    assert [p.metadata.name for p in pods.items] == [pod.metadata.name]
+    world.kubectl("delete", "vm", "first", "-n", namespace, "--wait=false")
+    await support.assign(api, gpu, "")
