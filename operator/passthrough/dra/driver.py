@@ -95,6 +95,7 @@ HEALTH_POLL = 0.5  # seconds between health reads of the published devices (chea
 # kubelet's retry (12 s in bench_dra's run). A node whose kubelet never registers it still gets
 # its slice after this.
 REGISTRATION_WAIT = 10.0
+PASS_LOGGED = "DRA pass"  # what the debug log says of each pass (bench_dra counts them)
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path, at most (sun_path, less its NUL)
 
 
@@ -318,6 +319,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         # A group another server has is not ours to give back either (its plugin wants it on vfio-pci).
         theirs = [dra_slice.Published(d, "", "") for d in discovery.devices if d.address in self.elsewhere]
         await self._give_back(published, keep=[*withdrawn, *theirs])
+        log.debug("%s %d: %d ResourceSlice writes", PASS_LOGGED, self.passes, writes)
         return writes
 
     # -- other servers -------------------------------------------------------------------------
