@@ -230,16 +230,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["kubevirt", "cozystack-package"], default="kubevirt")
     p.set_defaults(func=_lazy("passthrough.kubevirt.commands", "render"))
 
-    p = sub.add_parser("uninstall", help="let go of what the operator wrote, once it is gone (the chart's post-delete hook)",
+    p = sub.add_parser("uninstall", help="let go of what the operator wrote, once it is gone (the chart's post-delete hook); "
+                       "with --give-back, have the agents give their devices back first (its pre-delete hook)",
                        description="Let go of the KubeVirt allow-list entries and feature gates the operator applied, "
-                       "the in-use finalizers of PCIDevices and NodePCIDevices, and the operator's DeviceClasses; leave "
-                       "the CRDs and their objects, and what the agents bound to vfio-pci (listed, with how to give "
-                       "each back).")  # fmt: skip
+                       "the in-use finalizers of PCIDevices and NodePCIDevices, the operator's DeviceClasses and the "
+                       "give-back labels on Nodes; leave the CRDs and their objects, and what is still bound to vfio-pci "
+                       "(listed, with how to give each back). With --give-back, only ask the running agents to give "
+                       "back what they bound and nothing holds, and list what stays and why.")  # fmt: skip
     p.add_argument("--wait-for-pods", default="", metavar="SELECTOR",
                    help="first wait until no pod of --namespace matches SELECTOR (the operator's), so that it writes "
                    "nothing after this; still there after --timeout: exit 1, nothing changed")  # fmt: skip
+    p.add_argument("--give-back", action="store_true",
+                   help="only ask the agents, still running, to give back the devices they bound that nothing holds, "
+                   "wait up to --timeout for each node's answer and list what stays on vfio-pci and why (the chart's "
+                   "pre-delete hook); nothing else is changed")  # fmt: skip
     p.add_argument("--namespace", default="default", metavar="NAMESPACE", help="where --wait-for-pods looks (default default)")
-    p.add_argument("--timeout", type=float, default=120, metavar="SECONDS", help="how long --wait-for-pods waits (default 120)")
+    p.add_argument("--timeout", type=float, default=120, metavar="SECONDS",
+                   help="how long --wait-for-pods, or --give-back, waits (default 120)")
     p.add_argument("--kubeconfig", type=_kubeconfig_file, metavar="FILE", help="kubeconfig (default: in-cluster, else $KUBECONFIG)")
     p.set_defaults(func=_lazy("passthrough.controller.uninstall", "run"))
 

@@ -103,6 +103,8 @@ def test_default_values_render_the_models_defaults_and_two_operator_replicas(hel
          # Metrics: the operator's and the agents' Services, the Grafana dashboard, and who may read them.
          "Service", "Service", "ConfigMap", "ClusterRole",
          # helm uninstall's post-delete hook (controller/uninstall.py), with its own account while it runs.
+         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job",
+         # and its pre-delete hook that has the agents give back what they bound (passthrough uninstall --give-back).
          "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job"]
     )
     config = one(objects, "PassthroughConfig")

@@ -25,7 +25,7 @@ from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.handover import WAITING, Handover, Outcome, held_elsewhere, other_plugin, served_elsewhere
 from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
-from passthrough.api.labels import NODE_LABEL
+from passthrough.api.labels import GIVEN_BACK_LABEL, NODE_LABEL
 from passthrough.kube.cache import Mirror, jittered
 from passthrough.kube.client import APPLY_PATCH as APPLY, ApiError, session_of
 from passthrough.kube.connect import CannotStart
@@ -122,7 +122,8 @@ class Agent:
         self._assignments: dict[str, str] = {}  # object name -> namespace it is handed out to
         self._claimed: frozenset[str] = frozenset()  # object names an admin assigned, handed out or not
         self._holders: dict[str, tuple] | None = None  # address -> the pods holding it, this scan (None: unknown)
-        self._node_labels: dict[str, str] = {}
+        self._node_labels: dict[str, str] = {}  # as the plan reads them (`plan.as_planned`)
+        self._given_back = ""  # the give-back request this agent has answered on its Node
         self._node_resources: dict[str, str] | None = None  # the Node's extended resources, as a scan last read them
         self.handover = handover
         self.virtual_functions = virtual_functions  # SR-IOV VFs reported too (an admin's opt-in)
@@ -248,9 +249,9 @@ class Agent:
 
         def seen(kind: str, node: dict[str, Any]) -> None:
             nonlocal served
-            labels = (node.get("metadata") or {}).get("labels") or {}
+            labels = node_plan.as_planned((node.get("metadata") or {}).get("labels"))
             names = extended_resources(node)
-            if node_plan.gpu_mode(labels) != node_plan.gpu_mode(self._node_labels):
+            if node_plan.mode(labels) != node_plan.mode(self._node_labels):
                 self._node_labels = labels
                 self.trigger()
                 if self.on_node_change is not None:
@@ -321,6 +322,8 @@ class Agent:
 
     def _assignment_view(self) -> tuple[dict[str, str], frozenset[str]]:
         """Object name -> the namespace it is handed out to (only those), and the names an admin assigned."""
+        if node_plan.giving_back(self._node_labels):
+            return {}, frozenset()  # `helm uninstall` asks for the devices back: none is handed out here now
         return report.assignment_view(self.mirror.objects)
 
     # -- one scan ----------------------------------------------------------------------------
@@ -362,6 +365,11 @@ class Agent:
             if name not in found and not live["metadata"].get("deletionTimestamp"):
                 jobs.append(self._report_missing(name, live, result))
         await asyncio.gather(*jobs)
+        asked = node_plan.giving_back(self._node_labels)
+        if self.handover is not None and asked != self._given_back and not result.failed:
+            # Given back all it could, and each device that stays on vfio-pci says why in what was just written.
+            self._given_back = asked
+            result.writes += await self._label_node(node, discovery)
         self._tell(outcome, names)  # after the reports, so a device seen for the first time has its object
         result.devices = len(found)
         reported = [d for d in discovery.devices if d.reported]
@@ -545,13 +553,17 @@ class Agent:
             raise
         self._logged.discard("node-missing")
         metadata = body["metadata"]
-        self._node_labels = metadata.get("labels") or {}
+        self._node_labels = node_plan.as_planned(metadata.get("labels"))
         self._node_resources = extended_resources(body)
         return report.Node(name=self.node_name, uid=metadata["uid"])
 
     async def _label_node(self, node: report.Node, discovery: Discovery) -> int:
         labels = preflight.node_labels(discovery.node)  # what `passthrough discover --check` says, in labels
-        if all(self._node_labels.get(k) == v for k, v in labels.items()):
+        answer = self._given_back if self._given_back == node_plan.giving_back(self._node_labels) else ""
+        if answer:
+            labels[GIVEN_BACK_LABEL] = answer
+        stale = GIVEN_BACK_LABEL in self._node_labels and not answer  # an answer to a request withdrawn
+        if all(self._node_labels.get(k) == v for k, v in labels.items()) and not stale:
             return 0
         body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "labels": labels}}
         with metrics.write("nodes", "apply"):

@@ -27,6 +27,9 @@ the plan out. The rules:
   (`Serving.blocked`), so the kubelet never hands it to a second pod or a second tenant.
 - A device another device plugin serves (`others`) is not ours: neither bound, given back
   nor served.
+- A node asked to give its devices back (`helm uninstall`'s pre-delete hook, `as_planned`) is
+  in GPU passthrough mode no longer, and its agent hands nothing out: every group the agent
+  bound goes back, a held one once its holder lets go.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from passthrough.api.labels import GIVE_BACK_LABEL
 from passthrough.deviceplugin.holder import Holder
 from passthrough.pci.discovery import BRIDGE_CLASS, Device
 from passthrough.pci.naming import exclusive_resource_name
@@ -46,6 +50,26 @@ GPU_MODE_LABELS = {"passthrough.io/gpu-passthrough": "true", "nvidia.com/gpu.wor
 
 def gpu_mode(labels: Mapping[str, str] | None) -> bool:
     return any((labels or {}).get(key) == value for key, value in GPU_MODE_LABELS.items())
+
+
+def giving_back(labels: Mapping[str, str] | None) -> str:
+    """The token of the uninstall's request that this node give its devices back; "" when none."""
+    return (labels or {}).get(GIVE_BACK_LABEL, "")
+
+
+def as_planned(labels: Mapping[str, str] | None) -> dict[str, str]:
+    """A Node's labels as the plan reads them: a node asked to give its devices back is in GPU
+    passthrough mode no longer, so its pools go back as devices that leave passthrough do."""
+    labels = dict(labels or {})
+    if giving_back(labels):
+        for key in GPU_MODE_LABELS:
+            labels.pop(key, None)
+    return labels
+
+
+def mode(labels: Mapping[str, str] | None) -> tuple[bool, str]:
+    """What of a Node's labels changes the plan: its GPU passthrough mode and a give-back request."""
+    return gpu_mode(labels), giving_back(labels)
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,19 @@ class MetricsValues(Values):
     dashboard: DashboardValues = Field(description="A Grafana dashboard of these metrics.")
 
 
+class UninstallValues(Values):
+    """What `helm uninstall` does besides deleting the chart's objects."""
+
+    keepDevices: bool = Field(
+        description="Leave every device the agents bound on vfio-pci (for VMs that go on using them without the "
+        "operator); false: a pre-delete hook has the agents give back each one that no VM or pod holds."
+    )
+    giveBackTimeout: Annotated[int, Field(ge=1)] = Field(
+        description="Seconds that hook waits for every node's answer; helm uninstall waits for a hook up to its own "
+        "--timeout (5m by default)."
+    )
+
+
 class RuntimeValues(Values):
     """How the operator and the node agents run: every key of the values but the platform values."""
 
@@ -220,6 +233,7 @@ class RuntimeValues(Values):
     webhook: WebhookValues = Field(description="The admission webhooks the operator serves.")
     agent: AgentValues = Field(description="The node agents' DaemonSet.")
     metrics: MetricsValues = Field(description="Prometheus metrics of the operator and the agents.")
+    uninstall: UninstallValues = Field(description="What helm uninstall does with the devices the agents bound.")
     global_: dict[str, Any] = Field(
         default_factory=dict,
         alias="global",

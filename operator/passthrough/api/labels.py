@@ -6,3 +6,9 @@ VFIO_LABEL = "passthrough.io/vfio"  # on a Node: "true" when its IOMMU is on and
 # "disabled"; "loaded" or "missing".
 IOMMU_LABEL = "passthrough.io/iommu"
 VFIO_PCI_LABEL = "passthrough.io/vfio-pci"
+# On a Node, while `helm uninstall` runs: the chart's pre-delete hook asks the node's agent to give
+# back every device it bound that nothing holds (GIVE_BACK_LABEL, a token of that request), and the
+# agent answers with the same token (GIVEN_BACK_LABEL) once a scan has done so and reported why
+# each device left on vfio-pci stays.
+GIVE_BACK_LABEL = "passthrough.io/give-back"
+GIVEN_BACK_LABEL = "passthrough.io/given-back"
