@@ -21,7 +21,7 @@ from e2e import chart, identities, support
 from e2e.processes import AgentProcess
 from e2e.support import created, wait_resources
 from passthrough.api.labels import GIVE_BACK_LABEL, GIVEN_BACK_LABEL
-from passthrough.pci.naming import resource_env_name
+from passthrough.pci.naming import exclusive_resource_name, resource_env_name
 from tests.integration.test_handover_order import gpu_host, kubelet  # noqa: F401 (fixtures: a GPU node in GPU mode)
 
 pytestmark = pytest.mark.cluster
@@ -83,17 +83,21 @@ async def test_with_keep_devices_nothing_asks_the_agents_and_every_bound_device_
 
 
 async def test_the_pre_delete_hook_has_the_agent_give_back_all_it_bound_but_a_device_a_pod_holds(
-    api, cluster, helm, kubelet, agent, gpu_host, namespace, tmp_path
+    api, cluster, helm, kubelet, agent, gpu_host, namespace, operator, tmp_path
 ):  # fmt: skip
     core = client.CoreV1Api(api)
     await support.reported(api, kubelet.node_name, DEFAULT)
     await wait_resources(core, kubelet.node_name, {POOL: "2"}, agent)
-    # A VM's launcher pod holds one GPU of the pool.
+    # A VM's launcher pod holds one GPU of the pool; the other is assigned to the namespace, handed
+    # out and served as its own resource, and nothing holds it.
     pod = support.launcher_pod(f"vm-{namespace}", POOL)
     pod.spec.node_name = kubelet.node_name
     await support.create_pod(api, namespace, pod)
     held = (await created(core, namespace, kubelet, pod.metadata.name))["envs"][resource_env_name(POOL)]
     free = next(a for a in GROUPS if a != held)
+    assigned = (await support.device_names(api, kubelet.node_name))[free]
+    await support.assign(api, assigned, namespace)
+    await wait_resources(core, kubelet.node_name, {exclusive_resource_name(assigned): "1", POOL: "1"}, agent)
 
     objects = hook_objects(helm, namespace, "--show-only=templates/give-back-hook.yaml")
     [job] = [o for o in objects if o["kind"] == "Job"]
@@ -115,7 +119,7 @@ async def test_the_pre_delete_hook_has_the_agent_give_back_all_it_bound_but_a_de
     labels = await node_labels(core, kubelet.node_name)
     assert labels[GIVEN_BACK_LABEL] == labels[GIVE_BACK_LABEL], labels
     # Nothing is served from then on: no pod gets a device while Helm deletes the agents.
-    await wait_resources(core, kubelet.node_name, {POOL: "0"}, agent)
+    await wait_resources(core, kubelet.node_name, {POOL: "0", exclusive_resource_name(assigned): "0"}, agent)
 
     # The pod ends: the agent, still running, gives its group back too.
     await core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
