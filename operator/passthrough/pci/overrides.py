@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 UNSET = "(null)"  # what the kernel shows for an override that is not set
 READ_TIMEOUT = 2.0  # seconds one read may take: microseconds unless the device lock is held
 START_TIMEOUT = 120.0  # seconds the child may take to start (a Python start; slow under emulation)
+BATCH = 256  # paths asked at once: well inside a pipe's 64 KiB, so the write never waits
 
 
 def read(entry: Path) -> str:
@@ -65,16 +66,19 @@ class Isolated:
             return frozenset(self._stuck)
 
     def __call__(self, entries: Mapping[str, Path]) -> dict[str, str]:
-        """Each device's override; a device whose read is blocked (now, or still from before) is left out."""
+        """Each device's override; a device whose read is blocked (now, or still from before) is
+        left out, and so is every device when no child can be started (said in the log)."""
         with self._lock:
             self._collect()
-            found = {}
-            for address, entry in entries.items():
-                if str(entry) in self._stuck:
-                    continue
-                value = self._ask(entry)
-                if value is not None:
-                    found[address] = value
+            pending = [(a, e) for a, e in entries.items() if str(e) not in self._stuck]
+            found: dict[str, str] = {}
+            while pending:
+                child = self._ready()
+                if child is None:
+                    break
+                batch, pending = pending[:BATCH], pending[BATCH:]
+                left = self._ask(child, batch, found)
+                pending = left + pending
             return found
 
     def close(self) -> None:
@@ -85,37 +89,38 @@ class Isolated:
             self._stuck.clear()
             self._child = None
 
-    def _ask(self, entry: Path) -> str | None:
-        child = self._ready()
-        if child is None:
-            return read(entry)  # no child could be started: said in the log; read here, as a command does
+    def _ask(self, child: subprocess.Popen, batch: list[tuple[str, Path]], found: dict[str, str]) -> list[tuple[str, Path]]:
+        """Ask `child` for the batch at once (one pipe's worth: the write never waits on a child that
+        is stuck); the devices it did not get to, when it stuck or died."""
         assert child.stdin is not None and child.stdout is not None
         try:
-            child.stdin.write(json.dumps(str(entry)).encode() + b"\n")
-            child.stdin.flush()
+            child.stdin.write(b"".join(json.dumps(str(entry)).encode() + b"\n" for _, entry in batch))
         except OSError:
             self._child = None
-            return self._ask(entry)
-        line = _line(child, self.timeout)
-        if line is None:
-            log.warning("reading %s/driver_override has not returned after %g s: a sysfs write holds the device "
-                        "(an unbind whose driver waits for its holder); the device is left alone until it returns",
-                        entry, self.timeout)  # fmt: skip
-            self._stuck[str(entry)] = child
-            self._child = None
-            return None
-        if not line:
-            log.warning("the override reader exited (code %s) while reading %s", child.poll(), entry)
-            self._child = None  # the next read starts another; this one is unknown, as unreadable is
-            _end(child)
-            return ""
-        return json.loads(line)
+            return batch
+        for done, (address, entry) in enumerate(batch):
+            line = _line(child, self.timeout)
+            if line is None:
+                log.warning("reading %s/driver_override has not returned after %g s: a sysfs write holds the device "
+                            "(an unbind whose driver waits for its holder); the device is left alone until it returns",
+                            entry, self.timeout)  # fmt: skip
+                self._stuck[str(entry)] = child
+                self._child = None
+                return batch[done + 1 :]
+            if not line:
+                log.warning("the override reader exited (code %s) while reading %s", child.poll(), entry)
+                self._child = None  # this one is unknown, as unreadable is; the next child reads the rest
+                _end(child)
+                return batch[done + 1 :]
+            found[address] = json.loads(line)
+        return []
 
     def _ready(self) -> subprocess.Popen | None:
         if self._child is not None and self._child.poll() is None:
             return self._child
         try:
-            child = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+            # Unbuffered: select() sees what the child wrote, never a line already in our buffer.
+            child = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         except OSError as exc:
             log.warning("the override reader cannot start (%s)", exc)
             return None
