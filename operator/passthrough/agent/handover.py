@@ -12,6 +12,7 @@ nothing is given back: a device a pod holds must never be pulled from under its 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ WAITING = frozenset({"HeldByPod", "HeldByProcess"})
 # shape is wrong, and nothing is given back until it is right.
 KEPT = frozenset({"HeldByProcess", "HeldUnknown"})
 
+HEALTH_INTERVAL = 0.25  # seconds between reads of the served devices' health: Unhealthy within a second
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 
@@ -100,18 +102,33 @@ class Handover:
             self.on_change()
 
     def _healthy(self, device: PluginDevice) -> bool:
-        return self._check(device.id, device.iommu_group)
+        return device.id not in self.unhealthy  # as `_watch_health` last read it: no read in the event loop
 
-    def _check(self, address: str, group: int) -> bool:
-        """Health of a served device; a change asks for a scan, which reports it on its object."""
-        problem = self.health.problem(address, group)
-        if problem != self.unhealthy.get(address, ""):
-            if problem:
-                self.unhealthy[address] = problem
-            else:
-                self.unhealthy.pop(address, None)
+    async def _check(self, served: dict[str, int]) -> bool:
+        """Read the health of the served devices (address -> IOMMU group); whether any changed.
+        A change asks for a scan, which reports it on the device's object."""
+        problems = await self.health.problems(served)
+        changed = False
+        for address, problem in problems.items():
+            if problem != self.unhealthy.get(address, ""):
+                changed = True
+                if problem:
+                    self.unhealthy[address] = problem
+                else:
+                    self.unhealthy.pop(address, None)
+        if changed:
             self._wake()
-        return not problem
+        return changed
+
+    async def _watch_health(self) -> None:
+        while True:
+            served = {d.id: d.iommu_group for name in self.plugins.resources for d in self.plugins.declared(name)}
+            try:
+                if await self._check(served):
+                    self.plugins.refresh()  # to the kubelet now, not at the plugins' next health poll
+            except Exception:  # never let one surprise end the health watch of the node
+                log.exception("device health: unexpected error; reading again")
+            await asyncio.sleep(HEALTH_INTERVAL)
 
     async def _admit(self, resource: str, device_ids: list[str]) -> str:
         return await self.admit(resource, device_ids) if self.admit is not None else ""
@@ -121,7 +138,12 @@ class Handover:
         return self.binder.overdue_addresses()
 
     async def run(self) -> None:
-        await self.plugins.run()
+        watch = asyncio.create_task(self._watch_health(), name="device-health")
+        try:
+            await self.plugins.run()
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
 
     async def close(self) -> None:
         await self.plugins.close()
@@ -206,14 +228,15 @@ class Handover:
         return found
 
     async def serve(self, resources: dict[str, tuple[Served, ...]]) -> None:
-        served = {s.address for devices in resources.values() for s in devices}
-        for address in set(self.unhealthy) - served:
+        served = {s.address: s.iommu_group for devices in resources.values() for s in devices}
+        for address in set(self.unhealthy) - set(served):
             del self.unhealthy[address]  # health is watched only while a device is served
+        await self._check(served)
         await self.plugins.set_resources(
             {
                 name: [
                     PluginDevice(id=s.address, iommu_group=s.iommu_group, numa_node=s.numa_node,
-                                 healthy=self._check(s.address, s.iommu_group), cdev=self._cdev(s.address))
+                                 healthy=s.address not in self.unhealthy, cdev=self._cdev(s.address))
                     for s in served
                 ]
                 for name, served in resources.items()

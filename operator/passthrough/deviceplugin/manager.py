@@ -95,6 +95,10 @@ class PluginManager:
     def resources(self) -> list[str]:
         return sorted(self._plugins)
 
+    def declared(self, resource_name: str) -> list[PluginDevice]:
+        """The devices of a resource as `set_resources` gave them, before health checks."""
+        return list(self._declared.get(resource_name, ()))
+
     # What callers do.
 
     async def set_resources(self, resources: dict[str, Iterable[PluginDevice]]) -> None:
@@ -234,10 +238,15 @@ class PluginManager:
     async def _health_loop(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.health_interval)
-            for name, plugin in list(self._plugins.items()):
-                served = self._with_health(self._declared.get(name, []))
-                self._log_health_changes(plugin, served)
-                plugin.update(served)
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Ask `health` about every served device now, and tell the kubelet what changed (each
+        open ListAndWatch stream at once). Synchronous: never waits behind a registration."""
+        for name, plugin in list(self._plugins.items()):
+            served = self._with_health(self._declared.get(name, []))
+            self._log_health_changes(plugin, served)
+            plugin.update(served)
 
     def _with_health(self, devices: list[PluginDevice]) -> list[PluginDevice]:
         if self.health is None:

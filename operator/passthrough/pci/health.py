@@ -3,13 +3,20 @@ group viable (`vfio.group_problem`), and every member of the group present on th
 config space answering (not 0xffff), its link up, and no new AER errors.
 
 Reads attributes that take no device lock (links, `config`, the AER counters, the link
-status), so a poll never waits behind a write that blocks; cheap enough for every half second.
+status), so a poll never waits behind a write that blocks; cheap enough for every quarter second.
+A config-space read still waits while the kernel holds the device's config access (a reset, as
+vfio-pci does when a VM starts), so `Health.problems` reads in a thread of each device's own,
+never in the event loop: a device whose reads have not returned keeps its last answer for
+`ANSWER_DEADLINE`, then counts as unhealthy until they do, and is never given a second thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from passthrough.pci import sysfs
@@ -17,6 +24,10 @@ from passthrough.pci.sysfs import SysfsError
 from passthrough.pci.vfio import group_problem
 
 AER_HOLD = 300.0  # seconds a device stays unhealthy after its AER error counters last rose
+# A reset holds config access for up to about a second (a bus reset's settle time); past this, the
+# device does not answer.
+ANSWER_DEADLINE = 5.0
+POLL_WAIT = 0.5  # seconds a poll waits for its reads before it answers with what it has
 _AER_FILES = ("aer_dev_fatal", "aer_dev_nonfatal")
 
 
@@ -28,6 +39,54 @@ class Health:
         self.aer_hold = aer_hold
         self._aer: dict[str, dict[str, int]] = {}  # address -> counter file -> the last total read
         self._aer_rose: dict[str, tuple[float, str]] = {}  # address -> (when, what) the counters last rose
+        self._reading: dict[str, tuple[float, asyncio.Future[str]]] = {}  # address -> (since, its read in flight)
+        self._last: dict[str, str] = {}  # address -> what its last read that returned said
+
+    async def problems(self, devices: Mapping[str, int], deadline: float = ANSWER_DEADLINE) -> dict[str, str]:
+        """`problem` of each address (-> its IOMMU group), read in threads: address -> why it
+        cannot be used now ("" when it can). Returns once every read returned, at the latest after
+        POLL_WAIT: a read still in flight then answers with its device's last word until
+        `deadline` has passed since it began, and with "does not answer" after."""
+        loop = asyncio.get_running_loop()
+        for address, group in devices.items():
+            if address not in self._reading:
+                self._reading[address] = (time.monotonic(), self._read(loop, address, group))
+        pending = [future for address, (_, future) in self._reading.items() if address in devices]
+        if pending:
+            await asyncio.wait(pending, timeout=POLL_WAIT)
+        found = {}
+        for address in devices:
+            since, future = self._reading[address]
+            if future.done():
+                del self._reading[address]
+                self._last[address] = found[address] = future.result()
+            elif time.monotonic() - since > deadline:
+                found[address] = (f"{address}'s config space has not answered for {time.monotonic() - since:.0f} s "
+                                  "(the kernel holds its config access: a reset that does not end, or the device hangs)")  # fmt: skip
+            else:
+                found[address] = self._last.get(address, "")
+        for address in set(self._last) - set(devices):
+            del self._last[address]  # watched only while served; a read in flight is left to end
+        return found
+
+    def _read(self, loop: asyncio.AbstractEventLoop, address: str, group: int) -> asyncio.Future[str]:
+        future: asyncio.Future[str] = loop.create_future()
+
+        def answer(problem: str) -> None:
+            if not future.done():
+                future.set_result(problem)
+
+        def read() -> None:
+            try:
+                problem = self.problem(address, group)
+            except Exception as exc:  # a check that cannot say means the device cannot be trusted
+                problem = f"{address}'s health cannot be read ({exc})"
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(answer, problem)
+
+        # A thread of its own, a daemon: one that the kernel keeps waiting stops nothing, not even the exit.
+        threading.Thread(target=read, name=f"health {address}", daemon=True).start()
+        return future
 
     def problem(self, address: str, group: int) -> str:
         """Why `address` (in IOMMU group `group`) cannot be used now; "" when it can."""
