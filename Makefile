@@ -37,8 +37,9 @@ controlplane: venv
 
 ## The main job: local control plane, CRDs, operator and simulated nodes. Ctrl-C stops all.
 ## `make run DRA=1`: in DRA mode (the agents publish ResourceSlices, pods take devices through claims).
+## `make run REALNODE=1`: a real node instead (containerd, runc, CNI, kube-proxy) with the chart helm-installed on it.
 run: controlplane
-	$(TESTNS) $(PY) -m e2e.devcluster $(if $(filter-out 0,$(DRA)),--dra)
+	$(TESTNS) $(PY) -m e2e.devcluster $(if $(filter-out 0,$(DRA)),--dra) $(if $(filter-out 0,$(REALNODE)),--real-node)
 
 ## The real-kernel rig (e2e/guest): Debian's qemu-system-x86 and busybox-static when missing, and
 ## the 6.1 and 6.12 kernels unpacked into the cache, and runc (e2e/oci.py) that runs the chart's

@@ -162,11 +162,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m e2e.devcluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dra", action="store_true",
                         help="DRA mode: agents publish ResourceSlices and prepare claims instead of serving device plugins")  # fmt: skip
+    parser.add_argument("--real-node", action="store_true",
+                        help="a real node (containerd, runc, CNI, kube-proxy) with the chart helm-installed on it (e2e/realnode)")  # fmt: skip
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.real_node:
+        from e2e.realnode import run
+
+        return run.main()
     started = time.monotonic()
     if WORKDIR.exists():
         shutil.rmtree(WORKDIR)

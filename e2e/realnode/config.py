@@ -23,6 +23,7 @@ WORKLOAD_CONTROLLERS = (
     "endpointslice-controller",
     "endpointslice-mirroring-controller",
     "disruption-controller",
+    "job-controller",  # the chart's helm hooks are Jobs
     "node-lifecycle-controller",
     "pod-garbage-collector-controller",
     "root-ca-certificate-publisher-controller",
@@ -164,7 +165,10 @@ def kubelet_config(workdir: Path, cgroup_root: str) -> dict:
         "oomScoreAdj": 0,
         "kernelMemcgNotification": False,
         "failSwapOn": False,
+        # Pods resolve Service names with the node's cluster DNS (e2e/realnode/dns.py).
         "resolvConf": "",
+        "clusterDNS": [NODE_IP],
+        "clusterDomain": "cluster.local",
         "volumePluginDir": str(workdir / "volume-plugins"),
         "podLogsDir": "/var/log/pods",
         # A nearly full disk or a busy machine must not evict the pods.

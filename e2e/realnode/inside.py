@@ -13,7 +13,10 @@ In here it gives the node what a host would, from nothing of the host's:
   `/proc/sys` files the kubelet's `protectKernelDefaults` reads covered by files holding the
   values it wants (it only reads them; no kernel setting is changed);
 - network: loopback, and a bridge `node0` holding the node's address with the default route
-  (nothing is connected to it: a packet for no pod or Service goes nowhere);
+  (nothing is connected to it: a packet for no pod or Service goes nowhere); `/etc/hosts` and
+  `/etc/resolv.conf` of the node's own, so no name is ever asked of the host's nameserver;
+- the cluster DNS pods are given (`e2e/realnode/dns.py`, Service names to ClusterIPs), on the
+  node's address;
 - the control plane on this namespace's loopback, a second controller-manager with the
   controllers a cluster of pods needs (Deployments, DaemonSets, EndpointSlices, disruption
   budgets, node lifecycle, the root CA ConfigMap), kube-scheduler, containerd with runc and the
@@ -37,11 +40,13 @@ import os
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -51,7 +56,7 @@ from e2e import cluster as clusters
 from e2e import kubevirt
 from e2e.kubelet import KERNEL_DEFAULTS, Scheduler, _Child, _condition
 from e2e.realnode import build as nodebuild
-from e2e.realnode import config
+from e2e.realnode import config, dns
 
 DEVICES = {  # name: (mode, major, minor): what runc, containerd and the kubelet open under /dev
     "null": (0o666, 1, 3),
@@ -77,7 +82,7 @@ def _sh(*args: str) -> None:
 # -- the namespace's mounts and network --------------------------------------------------------
 
 
-def make_mounts(workdir: Path) -> None:
+def make_mounts(workdir: Path, node_name: str) -> None:
     var = workdir / "var"
     for sub in ("lib/kubelet/device-plugins", "lib/kubelet/pod-resources", "lib/containerd", "lib/cni", "log/pods", "log/containers", "tmp"):
         (var / sub).mkdir(parents=True, exist_ok=True)
@@ -98,6 +103,14 @@ def make_mounts(workdir: Path) -> None:
         os.symlink(f"/proc/self/fd/{index}", f"/dev/{name}")
     os.symlink("/proc/self/fd", "/dev/fd")
     _sh("mount", "-o", "remount,bind,ro", "/sys")
+    # Names resolve here, never through the host's nameserver: the node's own name (the API
+    # server dials the kubelet by it) in /etc/hosts, and the node's cluster DNS for the rest.
+    etc = workdir / "etc"
+    etc.mkdir(exist_ok=True)
+    (etc / "hosts").write_text(f"127.0.0.1 localhost\n{config.NODE_IP} {node_name}\n")
+    (etc / "resolv.conf").write_text(f"nameserver {config.NODE_IP}\n")
+    for name in ("hosts", "resolv.conf"):
+        _sh("mount", "--bind", "-o", "ro", str(etc / name), f"/etc/{name}")
     sysctl = workdir / "sysctl"
     sysctl.mkdir(exist_ok=True)
     for key, value in KERNEL_DEFAULTS.items():
@@ -177,7 +190,7 @@ class Node:
 
     def start(self) -> dict:
         started = time.monotonic()
-        make_mounts(self.workdir)
+        make_mounts(self.workdir, self.name)
         make_network()
         self.logs.mkdir(parents=True, exist_ok=True)
         cluster = self.cluster = clusters.LocalCluster(
@@ -191,6 +204,10 @@ class Node:
         forwarder.serve(socket.socket(fileno=self.listen_fd))
         inside = socket.create_server((config.NODE_IP, config.APISERVER_PORT))
         forwarder.serve(inside)
+        asyncio.run_coroutine_threadsafe(
+            forwarder.loop.create_datagram_endpoint(lambda: dns.Server(self._cluster_ip), local_addr=(config.NODE_IP, 53)),
+            forwarder.loop,
+        ).result()
         self._kubernetes_endpoints()
         self._controllers()
         self.scheduler = Scheduler(cluster, log_dir=self.logs).start()
@@ -207,6 +224,21 @@ class Node:
             "seconds": round(time.monotonic() - started, 1),
             "pid": os.getpid(),
         }
+
+    def _cluster_ip(self, namespace: str, service: str) -> str | None:
+        """A Service's ClusterIP (None for none, a headless one, or an unanswered API call)."""
+        assert self.cluster is not None
+        request = urllib.request.Request(
+            f"{self.cluster.server}/api/v1/namespaces/{namespace}/services/{service}",
+            headers={"Authorization": f"Bearer {self.cluster.token}"},
+        )
+        context = ssl.create_default_context(cafile=str(self.cluster.ca_file))
+        try:
+            with urllib.request.urlopen(request, timeout=5, context=context) as response:
+                address = json.load(response)["spec"].get("clusterIP")
+        except (OSError, ValueError, KeyError):
+            return None
+        return address if address and address != "None" else None
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> _Child:
         child = _Child(name, args, self.logs / f"{name}.log", env=env, cwd=self.workdir)
@@ -374,9 +406,6 @@ def kubevirt_crds(cluster: clusters.LocalCluster) -> Path:
 
 
 def _wait_http(child: _Child, url: str, deadline: float, ok: bytes | None = b"ok") -> None:
-    import ssl
-    import urllib.request
-
     context = ssl._create_unverified_context()  # its own self-signed certificate, on loopback
     while True:
         if not child.alive():

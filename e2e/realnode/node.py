@@ -244,8 +244,10 @@ class RealNode:
         self._remove_cgroups(deadline)
         if not any(mount.startswith(str(self.workdir)) for mount in _mount_points()):
             keep = os.environ.get("REALNODE_KEEP_LOGS")
-            if keep and self.logs.is_dir():
+            if keep and self.logs.is_dir():  # the node's processes' logs and its pods' (for CI's artifacts)
                 shutil.copytree(self.logs, Path(keep) / self.name, dirs_exist_ok=True)
+                with contextlib.suppress(OSError):
+                    shutil.copytree(self.workdir / "var" / "log" / "pods", Path(keep) / self.name / "pods", dirs_exist_ok=True)
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> RealNode:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import sys
-import time
 
 import pytest
 
 from e2e import build, support
-from e2e.realnode import config
+from e2e.realnode import config, install
 from e2e.realnode.node import RealNode, why_unavailable
 
 pytestmark = pytest.mark.cluster
@@ -29,16 +28,6 @@ def node(request):
     started = RealNode().start()
     yield started
     started.stop()
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        if value := predicate():
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout:.0f}s")
-        time.sleep(0.5)
 
 
 def _pod(node: RealNode, namespace: str, name: str) -> dict:
@@ -56,7 +45,7 @@ def test_a_pod_runs_for_real_with_an_address_of_the_pod_network(node):
         },
     }
     node.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    running = _wait(
+    running = install.wait_for(
         lambda: (p := _pod(node, "default", "sleeper"))["status"].get("phase") == "Running" and p,
         120,
         "the pod Running",

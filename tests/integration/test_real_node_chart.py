@@ -1,0 +1,103 @@
+"""The chart as a user installs it, on a real node (e2e/realnode): `helm install` with only the
+image reference given, the image built here (`make image`) imported into the node's containerd.
+
+The operator's two replicas and the agent's DaemonSet pod run from that image under the chart's
+securityContexts, mounts and RBAC; the API server calls the admission webhooks through the
+chart's Service (kube-proxy's rules, as in a cluster); `helm upgrade` to a changed values file
+rolls the pods.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from e2e import image, support
+from e2e.realnode import install
+from e2e.realnode.node import RealNode, why_unavailable
+
+pytestmark = pytest.mark.cluster
+
+NAMESPACE = install.NAMESPACE
+
+
+@pytest.fixture(scope="module")
+def node(request, tmp_path_factory):
+    if reason := why_unavailable() or image.why_unavailable():
+        support.cannot_run(request, "real-node", reason, once_key="realnode")
+    started = RealNode(project_image=True).start()
+    try:
+        install.prepare_kubevirt(started)
+        started.values = install.write_values(tmp_path_factory.mktemp("values"), install.values(image.name()))
+        install.install(started, started.values)
+        install.wait_rolled_out(started)
+        yield started
+    finally:
+        started.stop()
+        assert started.leftovers() == []
+
+
+def _running(pods: list[dict]) -> dict[str, list[dict]]:
+    by_component: dict[str, list[dict]] = {}
+    for pod in pods:
+        if pod["status"].get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp"):
+            component = pod["metadata"]["labels"].get("app.kubernetes.io/component", "")
+            by_component.setdefault(component, []).append(pod)
+    return by_component
+
+
+def test_helm_install_runs_the_chart_pods_from_the_image_built_here(node):
+    listing = node.kubectl("get", "pods", "-A").stdout
+    running = _running(install.pods(node))
+    assert len(running.get("operator", [])) == 2, listing
+    assert len(running.get("agent", [])) == 1, listing
+    for pod in running["operator"] + running["agent"]:
+        for status in pod["status"]["containerStatuses"]:
+            assert status["ready"] and status["restartCount"] == 0, (pod["metadata"]["name"], status)
+            assert status["image"].endswith(image.name()), status
+            assert status["containerID"].startswith("containerd://")
+
+
+def refused_pod(node: RealNode, namespace: str) -> str:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "wants-a-device", "namespace": namespace},
+        "spec": {
+            "containers": [
+                {
+                    "name": "compute",
+                    "image": "virt-launcher:test",
+                    "resources": {"limits": {"passthrough.io/pci-does-not-exist": "1"}},
+                }
+            ]
+        },
+    }
+    result = node.kubectl("create", "-f", "-", input=json.dumps(pod), check=False)
+    assert result.returncode != 0, "a pod naming a device its namespace does not hold was admitted"
+    return result.stderr
+
+
+def test_the_api_server_calls_the_webhooks_through_the_charts_service(node):
+    node.kubectl("create", "namespace", "tenant-a")
+    message = refused_pod(node, "tenant-a")
+    assert 'admission webhook "pods.admission.passthrough.io" denied the request' in message, message
+    assert "pci-does-not-exist" in message
+
+
+def test_helm_upgrade_to_changed_values_rolls_the_pods(node, tmp_path):
+    before = {p["metadata"]["name"] for p in install.pods(node)}
+    changed = install.write_values(tmp_path, {**install.values(image.name()), "operator": {"workers": 8}})
+    install.upgrade(node, changed)
+    install.wait_rolled_out(node)
+    deployment = json.loads(node.kubectl("get", "deployment", install.OPERATOR, "-n", NAMESPACE, "-o", "json").stdout)
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert "--workers=8" in container["command"]
+    operators = install.wait_for(
+        lambda: (r := _running(install.pods(node)).get("operator", [])) and len(r) == 2 and r,
+        120,
+        "two operator replicas Running after the upgrade",
+    )
+    assert not {p["metadata"]["name"] for p in operators} & before
+    assert "denied the request" in refused_pod(node, "tenant-a")
