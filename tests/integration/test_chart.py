@@ -98,8 +98,8 @@ def test_default_values_render_the_models_defaults_and_two_operator_replicas(hel
          "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding",
          # PCIDevices: the operator's alone.
          "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-         # The admission webhook, served by the operator.
-         "ValidatingWebhookConfiguration", "Service", "Secret",
+         # The admission webhooks, served by the operator (and the one that dates an assignment).
+         "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration", "Service", "Secret",
          # Metrics: the operator's and the agents' Services, the Grafana dashboard, and who may read them.
          "Service", "Service", "ConfigMap", "ClusterRole",
          # helm uninstall's post-delete hook (controller/uninstall.py), with its own account while it runs.

@@ -16,7 +16,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from passthrough.api.views import Device, NodeDevice
+from passthrough.api.views import ASSIGNED_AT, Device, NodeDevice
 from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 
 PREFIX = f"{EXCLUSIVE_DOMAIN}/"
@@ -260,3 +260,32 @@ def judge_pod(
     if problems:
         return Verdict(f"{_who('Pod', namespace, name)}: " + "; ".join(problems) + ".")
     return Verdict()
+
+
+# -- when a device was assigned -------------------------------------------------------------
+
+
+def date_assignment(
+    assigned: str, assigned_before: str, recorded: str, recorded_before: str, now: str,
+) -> tuple[Verdict, str]:  # fmt: skip
+    """A NodePCIDevice's write (a create: the `_before`s empty), and the ASSIGNED_AT annotation it
+    leaves: `now` when it sets spec.assignedNamespace anew, "" (none) when it clears it, what it
+    was otherwise.
+
+    The annotation is what devices.confirmNewNamespaces compares a namespace's creation with, so
+    no hand may move it: a write that leaves the assignment as it was and changes the annotation
+    is refused, saying how to date the assignment anew; one that changes the assignment gets the
+    webhook's time whatever it carried, with a warning when it carried another."""
+    if assigned == assigned_before:
+        if recorded != recorded_before:
+            was = f"as it was ({recorded_before})" if recorded_before else "unset"
+            return Verdict(
+                f"metadata.annotations[{ASSIGNED_AT}] is when spec.assignedNamespace was last set, recorded by the "
+                "passthrough operator's webhook for devices.confirmNewNamespaces, and is not written by hand: leave it "
+                f"{was}. To date the assignment anew, clear spec.assignedNamespace and set it again."
+            ), recorded_before  # fmt: skip
+        return Verdict(), recorded
+    value = now if assigned else ""
+    replaced = recorded and recorded != recorded_before and recorded != value
+    warning = f"{ASSIGNED_AT} is recorded by the passthrough operator's webhook: {recorded} was replaced" if replaced else ""
+    return Verdict(warnings=(f"{warning} by {value or 'nothing (no namespace is assigned)'}",) if warning else ()), value

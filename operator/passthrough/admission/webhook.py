@@ -10,6 +10,7 @@ Everything is read from the operator's indexes (Kopf's and its informers'): an a
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -19,7 +20,9 @@ import kopf
 from passthrough.controller import metrics
 from passthrough.admission import claims, rules
 from passthrough.agent.plan import gpu_mode
-from passthrough.api.views import Device, NodeDevice
+from passthrough.api.conditions import timestamp
+from passthrough.api.models import GROUP, NODE_PCI_DEVICE, VERSION
+from passthrough.api.views import ASSIGNED_AT, Device, NodeDevice
 from passthrough.controller.reconciler import DEVICES, DEVICES_BY_NODE, NODE_DEVICES
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,8 @@ VMI = "validate-vmi"
 CLAIM = "validate-resourceclaim"
 CLAIM_TEMPLATE = "validate-resourceclaimtemplate"
 CLAIM_ALLOCATION = "validate-resourceclaim-allocation"
+# The mutating webhook that dates a NodePCIDevice's assignment (its ASSIGNED_AT annotation).
+ASSIGNMENT = "date-assignment"
 # The Nodes in GPU passthrough mode, whose unassigned GPUs are the pool any claim may have.
 GPU_NODES = "gpu_nodes"
 STATUS = "ResourceClaim status"  # the metrics' kind of the allocation gate
@@ -48,7 +53,7 @@ class _RefusalsAreNotErrors(logging.Filter):
     a refusal is the webhook doing its job, logged at INFO here with who asked. Real failures
     (exceptions) still reach the log."""
 
-    PREFIXES = tuple(f"Webhook {id!r} failed permanently:" for id in (POD, VM, VMI, CLAIM, CLAIM_TEMPLATE, CLAIM_ALLOCATION))
+    PREFIXES = tuple(f"Webhook {id!r} failed permanently:" for id in (POD, VM, VMI, CLAIM, CLAIM_TEMPLATE, CLAIM_ALLOCATION, ASSIGNMENT))
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info is None and str(record.msg).startswith(self.PREFIXES))
@@ -174,6 +179,24 @@ async def validate_vmi(
     # A VMI made from a VM lists that VM's devices: that VM is not "another" user of them.
     owner = made_by(meta, kwargs.get("name") or "", kwargs.get("namespace") or "", vm_uids)
     await _judge_vm("VirtualMachineInstance", rules.vmi_device_references(dict(spec)), before, owner, **kwargs)
+
+
+@kopf.on.mutate(GROUP, VERSION, NODE_PCI_DEVICE.plural, id=ASSIGNMENT, operations=["CREATE", "UPDATE"])
+async def date_assignment(
+    spec: kopf.Spec, meta: kopf.Meta, old: kopf.Body | None, patch: kopf.Patch, warnings: list[str],
+    userinfo: dict[str, Any], **_: Any,
+) -> None:  # fmt: skip
+    """Records when spec.assignedNamespace is set, in the request that sets it: the operator's own
+    status, written after, would date it later than a namespace a tenant made in between."""
+    before = old or {}
+    verdict, value = rules.date_assignment(
+        str(spec.get("assignedNamespace") or ""), str((before.get("spec") or {}).get("assignedNamespace") or ""),
+        str((meta.get("annotations") or {}).get(ASSIGNED_AT) or ""),
+        str(((before.get("metadata") or {}).get("annotations") or {}).get(ASSIGNED_AT) or ""),
+        timestamp(datetime.datetime.now(datetime.UTC)),
+    )  # fmt: skip
+    _answer(NODE_PCI_DEVICE.kind, verdict, warnings, userinfo)
+    patch.metadata.annotations[ASSIGNED_AT] = value or None
 
 
 @kopf.on.validate("", "v1", "pods", id=POD, operations=["CREATE"])

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from passthrough.api.conditions import Cond
+from passthrough.api.conditions import Cond, parse_timestamp
 from passthrough.api.labels import NODE_LABEL
 from passthrough.api.models import MAX_HOLDERS
 from passthrough.pci.naming import node_pci_device_name
@@ -46,30 +46,47 @@ def _holders(raw: Any) -> tuple[tuple[str, str, str], ...]:
     return tuple(tuple(sys.intern(str(h.get(k) or "")) for k in ("namespace", "pod", "resource")) for h in found)  # type: ignore[misc]
 
 
+# On a NodePCIDevice: when spec.assignedNamespace was last set, written by the operator's admission
+# webhook into the very request that sets it (the API server's format, whole seconds). Nothing
+# else changes it (the webhook refuses a hand edit), so no later patch moves it.
+ASSIGNED_AT = "passthrough.io/assigned-at"
+
 # What an assignment's own managedFields entry may hold of spec: the device admin's confirmation
 # goes with it, and "." is spec itself, where the same write made it.
 _ASSIGNMENT_FIELDS = frozenset({"f:assignedNamespace", "f:confirmedNamespaceUID", "."})
 
 
 def _assigned_at(meta: Mapping[str, Any]) -> str:
-    """When spec.assignedNamespace was written, as far as the API server's record proves it; ""
-    when no record says.
+    """When spec.assignedNamespace was written, as far as the record proves it; "" when none says.
 
-    An entry of managedFields is stamped whenever its manager changes any field it owns, so its
-    time is the assignment's only while it owns nothing but the assignment (and its
-    confirmation); then the latest such entry's time. Where an owner of the field owns more (the
-    same `kubectl patch` later set a label), the assignment can be no older than the object:
-    its creationTimestamp, so that a namespace made since is asked about, never trusted."""
+    The webhook's annotation (ASSIGNED_AT) says it, held within what the API server's own record
+    allows: no earlier than the object's creation, no later than the latest managedFields entry
+    that owns the field (stamped by that write or a later one), so a clock ahead of the API
+    server's, or an annotation written while the webhook was off, never makes a namespace look
+    older than the assignment.
+
+    Without it (the webhook off, or an assignment from before it): an entry of managedFields is
+    stamped whenever its manager changes any field it owns, so its time is the assignment's only
+    while it owns nothing but the assignment (and its confirmation); then the latest such
+    entry's time. Where an owner of the field owns more (the same `kubectl patch` later set a
+    label), the assignment can be no older than the object: its creationTimestamp, so that a
+    namespace made since is asked about, never trusted."""
     owners = [
         entry for entry in meta.get("managedFields") or []
         if isinstance(entry, Mapping) and not entry.get("subresource")
         and "f:assignedNamespace" in (((entry.get("fieldsV1") or {}).get("f:spec")) or {})
     ]  # fmt: skip
+    created = str(meta.get("creationTimestamp") or "")
+    latest = max((str(entry.get("time") or "") for entry in owners), default="")
+    recorded = str((meta.get("annotations") or {}).get(ASSIGNED_AT) or "")
+    if parse_timestamp(recorded) is not None:
+        # The API server's format sorts as its times do.
+        return min(max(recorded, created), latest or recorded)
     if not owners:
         return ""
     if all(_owns_only_the_assignment(entry.get("fieldsV1") or {}) for entry in owners):
-        return max(entry.get("time") or "" for entry in owners)
-    return str(meta.get("creationTimestamp") or "")
+        return latest
+    return created
 
 
 def _owns_only_the_assignment(fields: Mapping[str, Any]) -> bool:
@@ -99,7 +116,7 @@ class NodeDevice:
     handed_to: tuple[str, str] = ("", "")  # status.assignedNamespaceRef: (name, uid) it was handed to
     holders: tuple[tuple[str, str, str], ...] = ()  # status.holders: (namespace, pod, resource), the agent's
     confirmed_uid: str = ""  # spec.confirmedNamespaceUID: the namespace a device admin confirmed
-    assigned_at: str = ""  # when spec.assignedNamespace was last written (managedFields), "" unknown
+    assigned_at: str = ""  # when spec.assignedNamespace was last written (_assigned_at), "" unknown
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> NodeDevice:
