@@ -96,10 +96,52 @@ def _members(devices: Iterable[Device]) -> dict[int, list[Device]]:
     return groups
 
 
+def _pool(device: Device, in_gpu_mode: bool, serve_pools: bool) -> str:
+    """Its model's pool on this node, "" when the node serves none for it."""
+    return device.resource_name if device.resource_name and in_gpu_mode and serve_pools else ""
+
+
 def wanted(device: Device, assigned: str, in_gpu_mode: bool, serve_pools: bool) -> bool:
-    if not (device.reported and device.eligible):
-        return False
-    return bool(assigned) or bool(device.resource_name and in_gpu_mode and serve_pools)
+    """Whether the device is for passthrough, its IOMMU group left aside: assigned, or a GPU of a pool."""
+    return device.reported and device.eligible and bool(assigned or _pool(device, in_gpu_mode, serve_pools))
+
+
+@dataclass(frozen=True)
+class Role:
+    """One device the plan may move and serve (reported, eligible, served by no other plugin),
+    and what it is for: the one reading of the rules that binding and serving share."""
+
+    device: Device
+    name: str  # its NodePCIDevice's name
+    assigned: str  # the namespace it is handed out to; "" none
+    pool: str  # its model's pool on this node ("" none): served even when every device of it is elsewhere
+    resource: str  # what it is served as, and so what it goes to vfio-pci for; "" neither
+
+
+def roles(
+    devices: Iterable[Device],
+    assignments: Mapping[str, str],
+    names: Mapping[str, str],
+    in_gpu_mode: bool,
+    serve_pools: bool,
+    claimed: Container[str],
+    others: Container[str],
+) -> list[Role]:
+    """The devices the plan may move, in the order given, each with what it is for (see the
+    module's rules: an assigned device is its own resource; a pool GPU is in its pool unless a
+    member of its IOMMU group is claimed)."""
+    devices = list(devices)
+    unpooled = _claimed_groups(devices, names, claimed)
+    found = []
+    for device in devices:
+        if not (device.reported and device.eligible) or device.address in others:
+            continue
+        name = names.get(device.address, "")
+        assigned = assignments.get(name, "")
+        pool = _pool(device, in_gpu_mode, serve_pools)
+        resource = exclusive_resource_name(name) if assigned else (pool if device.iommu_group not in unpooled else "")
+        found.append(Role(device, name, assigned, pool, resource))
+    return found
 
 
 def plan(
@@ -117,12 +159,8 @@ def plan(
     `ours`: the addresses the agent moved to vfio-pci itself; `locked`: those with a write in flight."""
     devices = list(devices)
     others = others or {}
-    unpooled = _claimed_groups(devices, names, claimed)
-    want = frozenset(
-        d.address for d in devices
-        if d.address not in others
-        and wanted(d, assignments.get(names.get(d.address, ""), ""), in_gpu_mode and d.iommu_group not in unpooled, serve_pools)
-    )  # fmt: skip
+    want = frozenset(r.device.address for r in roles(devices, assignments, names, in_gpu_mode, serve_pools, claimed, others)
+                     if r.resource)  # fmt: skip
     bind: dict[int, tuple[str, ...]] = {}
     release: dict[int, tuple[str, ...]] = {}
     waiting = {d.iommu_group for d in devices
@@ -168,25 +206,14 @@ def serving(
     under. Devices in any of these ways unfit are served by nobody.
     """
     devices = sorted(devices, key=lambda d: d.address)
-    failed, holders, others = set(failed), holders or {}, others or {}
-    unpooled = _claimed_groups(devices, names, claimed)
+    failed, holders = set(failed), holders or {}
     served: dict[str, list[Served]] = {}
     blocked: dict[str, tuple[Holder, ...]] = {}
-    for device in devices:
-        if not device.reported or not device.eligible or device.address in others:
-            continue
-        name = names.get(device.address, "")
-        assigned = assignments.get(name, "")
-        pooled = bool(device.resource_name and in_gpu_mode and serve_pools)
-        if pooled:
-            served.setdefault(device.resource_name, [])  # the pool exists even when all are assigned
-        if device.driver != VFIO_DRIVER or device.address in failed:
-            continue
-        if assigned:
-            resource = exclusive_resource_name(name)
-        elif pooled and device.iommu_group not in unpooled:
-            resource = device.resource_name
-        else:
+    for role in roles(devices, assignments, names, in_gpu_mode, serve_pools, claimed, others or {}):
+        device, resource, assigned = role.device, role.resource, role.assigned
+        if role.pool:
+            served.setdefault(role.pool, [])  # the pool exists even when all are assigned
+        if device.driver != VFIO_DRIVER or device.address in failed or not resource:
             continue
         served.setdefault(resource, [])
         elsewhere = tuple(h for h in holders.get(device.address, ()) if h.resource != resource or (assigned and h.namespace != assigned))
