@@ -11,7 +11,7 @@ import time
 import pytest
 
 from e2e.guest.machine import AUDIO, DISPLAY, address
-from e2e.guest.node import GuestNode, allocate, drivers, wait, wait_drivers
+from e2e.guest.node import allocate, assign, condition, drivers, wait, wait_drivers
 from e2e.guest.vmm import NestedVmm
 from passthrough.pci.naming import resource_env_name
 
@@ -20,37 +20,24 @@ ORIGINAL = {DISPLAY_FN: DISPLAY.driver, AUDIO_FN: AUDIO.driver}
 ON_VFIO = {DISPLAY_FN: "vfio-pci", AUDIO_FN: "vfio-pci"}
 
 
-def _condition(device: dict, kind: str) -> str:
-    for condition in device.get("status", {}).get("conditions", []):
-        if condition["type"] == kind:
-            return condition["status"]
-    return ""
-
-
-def _assign(node: GuestNode, address_: str, namespace: str) -> None:
-    name = node.devices()[address_]["metadata"]["name"]
-    patch = json.dumps({"spec": {"assignedNamespace": namespace}})
-    node.cluster.kubectl("patch", "nodepcidevice", name, "--type=merge", "-p", patch)
-
-
 @pytest.fixture(scope="module")
 def assigned(guest, node, tenant):
     """The display function assigned to the tenant, its group bound by the agent."""
     group = int(guest.sh(f"basename $(readlink /sys/bus/pci/devices/{DISPLAY_FN}/iommu_group)").stdout)
     assert drivers(guest, list(ORIGINAL)) == ORIGINAL
     started = time.monotonic()
-    _assign(node, DISPLAY_FN, tenant)
+    assign(node, DISPLAY_FN, tenant)
     wait_drivers(guest, ON_VFIO, timeout=240)
     bound = time.monotonic() - started
-    def handed_out():
+    def served_as_its_own():
         device = node.devices()[DISPLAY_FN]
-        return device if _condition(device, "Assigned") == "True" and device["status"].get("resourceName") else None
+        return device if condition(device, "Assigned").get("status") == "True" and device["status"].get("resourceName") else None
 
-    device = wait(handed_out, 120, "Assigned=True and a resource name", node)
+    device = wait(served_as_its_own, 120, "Assigned=True and a resource name", node)
     print(f"\nassign to both functions on vfio-pci: {bound:.1f}s")
     yield {"group": group, "resource": device["status"]["resourceName"], "bind_seconds": bound}
     if node.devices()[DISPLAY_FN]["spec"].get("assignedNamespace"):  # a test failed before giving it back
-        _assign(node, DISPLAY_FN, "")
+        assign(node, DISPLAY_FN, "")
 
 
 def test_assigned_group_goes_to_vfio_pci(guest, node, assigned):
@@ -92,8 +79,8 @@ def test_allocate_hands_over_what_a_vmm_opens(guest, node, assigned):
 def test_unassigned_group_comes_back_to_its_drivers(guest, node, assigned):
     group = assigned["group"]
     started = time.monotonic()
-    _assign(node, DISPLAY_FN, "")
+    assign(node, DISPLAY_FN, "")
     wait_drivers(guest, ORIGINAL, timeout=240)
     print(f"\nunassign to both functions back on their drivers: {time.monotonic() - started:.1f}s")
     assert guest.run("test", "-e", f"/dev/vfio/{group}", check=False).rc != 0, f"/dev/vfio/{group} is gone"
-    wait(lambda: _condition(node.devices()[DISPLAY_FN], "Assigned") == "False", 120, "Assigned=False")
+    wait(lambda: condition(node.devices()[DISPLAY_FN], "Assigned").get("status") == "False", 120, "Assigned=False")

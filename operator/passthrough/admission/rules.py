@@ -5,7 +5,7 @@ These functions take what the object lists and what the operator's indexes know 
 namespace's PCIDevices, the VMs that list each one) and return a verdict; they know nothing
 of Kopf or the API. `admission.webhook` feeds them from the indexes.
 
-A PCIDevice counts only as the operator made it (`handed_out`): anyone who can write a
+A PCIDevice counts only as the operator made it (`why_not_handed_out`): anyone who can write a
 PCIDevice of the right name into a namespace must not thereby give that namespace a device.
 """
 
@@ -107,7 +107,7 @@ def _controlled_by(device: Device, owner: NodeDevice) -> bool:
     )
 
 
-def handed_out(device: Device, owner: NodeDevice | None, namespace_uid: str) -> str:
+def why_not_handed_out(device: Device, owner: NodeDevice | None, namespace_uid: str) -> str:
     """Why `device` is not a PCIDevice the operator handed to its namespace; "" when it is.
 
     The operator's PCIDevice has the live NodePCIDevice of its name as controller owner (by
@@ -182,7 +182,7 @@ def judge_vm(
     """A VirtualMachine's or VMI's device list, on create (`before` None) or update.
 
     `devices`: the namespace's PCIDevices by name (at least those listed) that the operator
-    handed out; `forged`: names of the namespace's PCIDevices it did not make (`handed_out`);
+    handed out; `forged`: names of the namespace's PCIDevices it did not make (`why_not_handed_out`);
     `users`: for each device name, the VMs of the namespace whose spec lists it; `exempt`: VMs
     that do not count as another user (for a VMI, the VM it was made from, once checked; a VM
     is never another user of its own devices).

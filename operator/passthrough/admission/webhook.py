@@ -104,7 +104,7 @@ def _devices(
         for device in devices.get(name, ()):
             if device.namespace != namespace:
                 continue
-            why = rules.handed_out(device, _first(node_devices, name), namespace_uid)
+            why = rules.why_not_handed_out(device, _first(node_devices, name), namespace_uid)
             if why:
                 log.info("PCIDevice %s/%s does not count as a device of its namespace: %s", namespace, name, why)
                 forged.add(name)

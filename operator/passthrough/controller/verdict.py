@@ -90,19 +90,21 @@ class Verdict:
         handed_name, handed_uid = npci.handed_to
         recreated = bool(target and handed_name == target and handed_uid and target_uid and handed_uid != target_uid
                          and not confirmed)  # fmt: skip
-        handed_out = any(d.namespace == target and not d.deleting for d in world.devices)
+        # The target already has its PCIDevice (and keeps it: what was handed out is not taken back
+        # for a member assigned elsewhere, a device not Ready, or a namespace since confirmable).
+        has_pcidevice = any(d.namespace == target and not d.deleting for d in world.devices)
         expected = expected_name(npci)
         misnamed = expected if expected and expected != npci.name else ""
         kubevirt_resource = world.served_by_kubevirt.get(model_of(npci), "") if target else ""
         unconfirmed = bool(
-            target and world.confirm_new_namespaces and phase is not None and not confirmed and not handed_out
+            target and world.confirm_new_namespaces and phase is not None and not confirmed and not has_pcidevice
             and npci.handed_to != (target, target_uid)
             and not _older(world.namespace_created.get(target, ""), npci.assigned_at)
         )  # fmt: skip
         ready = npci.ready is not None and npci.ready.status == "True"
-        not_ready = bool(target) and not handed_out and (absence.node_gone or not ready)
+        not_ready = bool(target) and not has_pcidevice and (absence.node_gone or not ready)
         conflict = next(((other, ns) for other, ns in sorted(world.group.items()) if ns and ns != target), None)
-        conflict = conflict if target and not handed_out else None
+        conflict = conflict if target and not has_pcidevice else None
         usable = (bool(target) and phase == "Active" and target not in SYSTEM_NAMESPACES and not absence.expired
                   and not not_ready and conflict is None and not recreated and not misnamed and not kubevirt_resource
                   and not unconfirmed)  # fmt: skip
