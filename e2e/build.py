@@ -160,20 +160,21 @@ def cache_dir() -> Path:
     return cache_root() / "controlplane" / name
 
 
-def _manifest(bin_dir: Path) -> dict[str, dict[str, int]]:
+def _manifest(bin_dir: Path, names: tuple[str, ...] = BINARIES) -> dict[str, dict[str, int]]:
     return {
         name: {"size": (bin_dir / name).stat().st_size, "mtime_ns": (bin_dir / name).stat().st_mtime_ns}
-        for name in BINARIES
+        for name in names
     }
 
 
-def cached_binaries(directory: Path | None = None) -> Path | None:
-    """The bin directory of a complete cache entry, or None when it must be (re)built."""
+def cached_binaries(directory: Path | None = None, names: tuple[str, ...] = BINARIES) -> Path | None:
+    """The bin directory of a complete cache entry (of `names`, the control plane's by
+    default), or None when it must be (re)built."""
     directory = directory or cache_dir()
     manifest = directory / "manifest.json"
     try:
         recorded = json.loads(manifest.read_text())
-        if recorded == _manifest(directory / "bin"):
+        if recorded == _manifest(directory / "bin", names):
             return directory / "bin"
     except (OSError, ValueError):
         pass

@@ -84,8 +84,8 @@ CNI_PLUGINS = {
 }
 
 
-def binaries() -> list[str]:
-    return [name for program in programs() for name in program.packages]
+def binaries() -> tuple[str, ...]:
+    return tuple(name for program in programs() for name in program.packages)
 
 
 def cache_key() -> str:
@@ -105,24 +105,6 @@ def cache_dir() -> Path:
         f"containerd-{containerd_version()}-cni-{cni_version()}-k8s-{controlplane.kubernetes_version()}-{cache_key()}"
     )
     return controlplane.cache_root() / "node" / name
-
-
-def _manifest(bin_dir: Path) -> dict[str, dict[str, int]]:
-    return {
-        name: {"size": (bin_dir / name).stat().st_size, "mtime_ns": (bin_dir / name).stat().st_mtime_ns}
-        for name in binaries()
-    }
-
-
-def cached_binaries(directory: Path | None = None) -> Path | None:
-    """The bin directory of a complete cache entry, or None when it must be (re)built."""
-    directory = directory or cache_dir()
-    try:
-        if json.loads((directory / "manifest.json").read_text()) == _manifest(directory / "bin"):
-            return directory / "bin"
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def build(directory: Path) -> Path:
@@ -161,7 +143,7 @@ def build(directory: Path) -> Path:
             raise controlplane.BuildError(f"node build produced no {name}; see {log_path}")
     elapsed = time.monotonic() - started
     (staging / "build-info.json").write_text(json.dumps({"seconds": round(elapsed, 1), "go": controlplane._go_version()}))
-    (staging / "manifest.json").write_text(json.dumps(_manifest(bin_dir), indent=2))
+    (staging / "manifest.json").write_text(json.dumps(controlplane._manifest(bin_dir, binaries()), indent=2))
     if directory.exists():
         shutil.rmtree(directory)
     staging.rename(directory)
@@ -173,12 +155,12 @@ def build(directory: Path) -> Path:
 def ensure_binaries() -> Path:
     """The directory holding the node's programs, building them first when the cache lacks them."""
     directory = cache_dir()
-    if found := cached_binaries(directory):
+    if found := controlplane.cached_binaries(directory, binaries()):
         return found
     directory.parent.mkdir(parents=True, exist_ok=True)
     with (directory.parent / ".build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same entry
-        if found := cached_binaries(directory):
+        if found := controlplane.cached_binaries(directory, binaries()):
             return found
         if directory.exists():
             print(f"[node] cache entry {directory} is incomplete or changed; rebuilding", file=sys.stderr)

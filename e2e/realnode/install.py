@@ -18,12 +18,19 @@ NAMESPACE = "passthrough-system"
 FULLNAME = "passthrough"  # the release name, which already says "passthrough"
 OPERATOR = f"{FULLNAME}-operator"
 AGENT = f"{FULLNAME}-agent"
-# What a cluster with KubeVirt has: its CR, whose configuration the operator keeps in line.
+# What a cluster with KubeVirt has: its CR as KubeVirt's release manifest writes it, whose
+# configuration the operator keeps in line.
 KUBEVIRT = {
     "apiVersion": "kubevirt.io/v1",
     "kind": "KubeVirt",
     "metadata": {"name": "kubevirt", "namespace": "kubevirt"},
-    "spec": {"configuration": {}},
+    "spec": {
+        "certificateRotateStrategy": {},
+        "configuration": {"developerConfiguration": {"featureGates": []}},
+        "customizeComponents": {},
+        "imagePullPolicy": "IfNotPresent",
+        "workloadUpdateStrategy": {},
+    },
 }
 
 
