@@ -113,9 +113,12 @@ async def test_a_device_reassigned_while_a_claim_holds_it_waits_for_the_claim_in
 
         old, new = await support.wait_for(held, 30, 0.2, what="team-a's PCIDevice Terminating, team-b's HeldElsewhere")
         assert old["metadata"]["finalizers"] == [FINALIZER]
-        assert f"Still held by ResourceClaim {team_a}/gpu (pod a-launcher)" in attached(new)["message"]
+        # By what is team-a's business: team-b's PCIDevice does not say, the NodePCIDevice does.
+        assert team_a not in attached(new)["message"] and "a device admin sees which on NodePCIDevice" in attached(new)["message"]
+        node_attached = attached(await Custom(api, "nodepcidevices").get(name))
+        assert f"ResourceClaim {team_a}/gpu (pod a-launcher)" in node_attached["message"], node_attached
         # Who waits, in DRA mode's words: a claim of team-b's class, not a device name.
-        assert f"; a claim here of DeviceClass passthrough-{team_b} waits until ResourceClaim {team_a}/gpu" in attached(new)["message"]
+        assert f"; a claim here of DeviceClass passthrough-{team_b} waits until it lets go" in attached(new)["message"]
 
         await support.delete_pod(api, team_a, "a-launcher")
         await support.wait_for(lambda: _unprepared(kubelet), 30, what="team-a's claim unprepared")

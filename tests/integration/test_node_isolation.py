@@ -10,6 +10,7 @@ its simulated kernel. Pods are placed by the scheduler and admitted by the kubel
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import grpc
@@ -173,8 +174,8 @@ async def wait_holders(api, name: str, wanted: list[dict], agent, namespace: str
     await support.wait_for(shown, timeout, 0.1, what=lambda: f"{where} holders {wanted}; log:\n{agent.output()[-3000:]}")
 
 
-async def test_the_node_pci_device_and_the_new_namespaces_pci_device_say_which_pod_holds_it(api, core, kubelet, agent, names,
-                                                                                             tenants):  # fmt: skip
+async def test_the_node_pci_device_says_which_pod_holds_it_and_the_new_namespaces_only_its_own(api, core, kubelet, agent, names,
+                                                                                                tenants):  # fmt: skip
     team_a, team_b = await tenants("iso-j"), await tenants("iso-k")
     held = await run_pod(api, core, kubelet, team_b, "pool-user5", POOL)
     name = names[held]
@@ -182,9 +183,17 @@ async def test_the_node_pci_device_and_the_new_namespaces_pci_device_say_which_p
     by_pool_pod = [{"namespace": team_b, "pod": "pool-user5", "resource": POOL}]
     await wait_holders(api, name, by_pool_pod, agent)  # a pool GPU's holder is said too
     await handed_out(api, name, team_a)
-    # team-a's PCIDevice names the pod of team-b that holds it, and says it waits for it.
-    await wait_holders(api, name, by_pool_pod, agent, namespace=team_a)
+    # The NodePCIDevice names the pod of team-b that holds it; team-a's PCIDevice says a pod of another
+    # namespace does, and names none (another namespace's pods are none of team-a's business).
     await wait_ready(api, kubelet.node_name, held, "HeldByPod", agent, says=f"pod {team_b}/pool-user5")
+
+    async def told_without_names():
+        device = await Custom(api, "pcidevices", namespaced=True).get(name, team_a)
+        ready_ = next((c for c in ((device or {}).get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), {})
+        return device if ready_.get("reason") == "HeldByPod" and "a pod of another namespace" in ready_["message"] else None
+
+    device = await support.wait_for(told_without_names, 30, 0.1, what="team-a's PCIDevice HeldByPod")
+    assert team_b not in json.dumps(device["status"]) and (device["status"].get("holders") or []) == [], device["status"]
     await support.delete_pod(api, team_b, "pool-user5")
     await wait_holders(api, name, [], agent, namespace=team_a)
     await wait_holders(api, name, [], agent)

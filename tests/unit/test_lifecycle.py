@@ -501,14 +501,17 @@ def test_a_device_reassigned_while_a_vm_holds_it_says_so_in_the_new_namespace_an
     new = {d.namespace: d for d in moved.devices}["team-b"]
     attached = next(c for c in new.status["conditions"] if c["type"] == "Attached")
     assert (attached["status"], attached["reason"]) == ("False", "HeldElsewhere")
-    assert "team-a/vm-1" in attached["message"] and new.status["attachedTo"] == ""
+    # Held by what is team-a's business: the admin reads it on the NodePCIDevice.
+    assert "team-a" not in attached["message"] and "vm-1" not in attached["message"] and new.status["attachedTo"] == ""
+    assert "team-a/vm-1" in npci_conditions(lc.decide(dataclasses.replace(moved, node_device=dataclasses.replace(
+        moved.node_device, assigned=None))))["Assigned"]["message"]  # fmt: skip
     # A VM of team-b lists it meanwhile: it waits, and nothing claims it for two namespaces without a Warning.
     both = dataclasses.replace(moved, referencing_vms={"team-a": ("vm-1",), "team-b": ("vm-2",)})
     plan = lc.decide(both)
     [status] = of(plan, ApplyDeviceStatus)
     attached = next(c for c in status.body["status"]["conditions"] if c["type"] == "Attached")
     assert (attached["status"], attached["reason"]) == ("False", "WaitingForRelease")
-    assert "team-a/vm-1" in attached["message"] and "team-b/vm-2" in attached["message"]
+    assert "team-a" not in attached["message"] and "VirtualMachine team-b/vm-2 waits" in attached["message"]
     node_attached = npci_conditions(plan)["Attached"]
     assert "team-a/vm-1" in node_attached["message"] and "team-b/vm-2 waits" in node_attached["message"]
     assert any(e.type == "Warning" and e.reason == "WaitingForRelease" for e in plan.events)
@@ -702,11 +705,26 @@ def test_a_namespace_made_again_is_given_the_device_once_a_device_admin_confirms
     assert confirmed.node_device.handed_to == ("team-a", "uid-2") and [d.namespace for d in confirmed.devices] == ["team-a"]
 
 
-def test_the_pcidevice_says_which_pods_hold_the_device():
-    holders = (("team-b", "virt-launcher-old", "nvidia.com/GA102GL_A10"),)
-    settled = converge(world(dataclasses.replace(node_device("team-a"), holders=holders)))
+def test_the_pcidevice_names_the_pods_of_its_own_namespace_that_hold_the_device_and_no_other_namespaces():
+    """Another namespace's pods are none of this namespace's business (admission says so too): the
+    PCIDevice says a pod of another namespace holds it, the NodePCIDevice says which, for the admin."""
+    theirs = ("team-b", "virt-launcher-old", "nvidia.com/GA102GL_A10")
+    mine = ("team-a", "virt-launcher-new", "passthrough.io/" + NAME)
+    held = Cond("False", "HeldByPod", "pod team-b/virt-launcher-old (nvidia.com/GA102GL_A10) still holds 0000:3b:00.0 under "
+                "its previous resource or namespace", "2026-11-29T11:00:00Z")  # fmt: skip
+    handed = converge(world(node_device("team-a")))  # handed out while Ready; then the agent finds the pods
+    settled = converge(dataclasses.replace(handed, node_device=dataclasses.replace(handed.node_device, holders=(theirs, mine),
+                                                                                   ready=held)))  # fmt: skip
     [current] = settled.devices
-    assert current.status["holders"] == [{"namespace": "team-b", "pod": "virt-launcher-old", "resource": "nvidia.com/GA102GL_A10"}]
+    assert current.status["holders"] == [{"namespace": "team-a", "pod": "virt-launcher-new", "resource": "passthrough.io/" + NAME}]
+    ready = next(c for c in current.status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"], ready["lastTransitionTime"]) == ("False", "HeldByPod", "2026-11-29T11:00:00Z")
+    assert "team-b" not in ready["message"] and "virt-launcher-old" not in ready["message"], ready
+    assert "a pod of another namespace" in ready["message"] and f"NodePCIDevice {NAME}" in ready["message"]
+    # Its own pods are named where the node's word does, unchanged.
+    own = Cond("False", "HeldByPod", "pod team-a/virt-launcher-new (x) holds it", "2026-11-29T11:00:00Z")
+    settled = converge(dataclasses.replace(settled, node_device=dataclasses.replace(settled.node_device, holders=(mine,), ready=own)))
+    assert next(c for c in settled.devices[0].status["conditions"] if c["type"] == "Ready")["message"] == own.message
     # The pod ends: the list empties, once.
     ended = dataclasses.replace(settled, node_device=dataclasses.replace(settled.node_device, holders=()))
     [write] = of(lc.decide(ended), ApplyDeviceStatus)

@@ -279,8 +279,9 @@ class PCIDeviceStatus(APIModel):
         default="", max_length=MESSAGE_MAX, description="VirtualMachine whose spec lists this device (several: comma-separated)."
     )
     holders: list[Holder] = _holders(
-        "The pods on the node that hold the device now, this namespace's or another's (a pod of the namespace the "
-        "device was assigned to before): while one of another namespace does, no pod here gets it."
+        "This namespace's pods on the node that hold the device now. While a pod of another namespace does (of the "
+        "namespace the device was assigned to before), no pod here gets it: Ready says HeldByPod without naming it, "
+        "and the NodePCIDevice's status.holders names it for the admin."
     )
     conditions: list[PCIDeviceCondition] = _conditions(
         "Ready and Attached: whether a VM here can use the device now, and which VM does."

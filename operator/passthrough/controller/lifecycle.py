@@ -12,7 +12,9 @@ of the device before anything is written, in `verdict.py` (Absence, Verdict, Use
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -300,23 +302,21 @@ def _device_status(
     if node_gone:
         ready = condition("Ready", Cond("False", "NodeGone", node_gone + "."), old.get("Ready"), now)
     elif npci.ready and npci.ready.lastTransitionTime:
-        ready = condition("Ready", npci.ready, npci.ready, now)
+        ready = condition("Ready", _as_tenants_see(npci, npci.ready, users.namespace), npci.ready, now)
     else:
         unreported = Cond("Unknown", "NotReady", f"The agent on node {npci.node_name or '?'} has not reported this device yet.")
         ready = condition("Ready", npci.ready or unreported, old.get("Ready"), now)
     resource = exclusive_resource_name(npci.name)
     if held_elsewhere:
-        holders = "; ".join(held.names() for _, held in sorted(held_elsewhere.items()))
-        until = " and ".join(held.until_released() for _, held in sorted(held_elsewhere.items()))
+        # By what is another namespace's business: the admin reads it on the NodePCIDevice.
+        there = (f"Still held by a VM or claim of the namespace the device was assigned to before (a device admin sees "
+                 f"which on NodePCIDevice {npci.name})")  # fmt: skip
         attached = (
-            Cond("False", "WaitingForRelease",
-                 f"Still held by {holders}, in the device's previous namespace; {users.names()} waits (its pod stays "
-                 f"Pending) until {until}.")
+            Cond("False", "WaitingForRelease", f"{there}; {users.names()} waits (its pod stays Pending) until it lets go.")
             if users
             else Cond("False", "HeldElsewhere",
-                      f"Still held by {holders}, in the device's previous namespace; "
-                      + (f"a claim here of DeviceClass {device_class}" if device_class else f"a VM here that asks for {resource}")
-                      + f" waits until {until}.")
+                      f"{there}; " + (f"a claim here of DeviceClass {device_class}" if device_class else f"a VM here that asks for {resource}")
+                      + " waits until it lets go.")
         )  # fmt: skip
     else:
         pods = tuple(h for h in npci.holders if h[0] == users.namespace)
@@ -326,14 +326,32 @@ def _device_status(
         "nodeName": npci.node_name,
         "resourceName": resource,
         "attachedTo": "" if held_elsewhere else ", ".join(users.vms),
-        # Who holds it on the node, as its agent reported: while a pod of another namespace does (the
-        # one the device was assigned to before), no pod here gets it (Ready says HeldByPod).
-        "holders": [{"namespace": ns, "pod": pod, "resource": resource} for ns, pod, resource in npci.holders],
+        # This namespace's pods that hold it, as its agent reported. Another namespace's (the one the
+        # device was assigned to before) are none of this one's business, as admission says too:
+        # Ready says HeldByPod without naming them, and the NodePCIDevice names them for the admin.
+        "holders": [{"namespace": ns, "pod": pod, "resource": resource} for ns, pod, resource in npci.holders
+                    if ns == users.namespace],  # fmt: skip
         "conditions": [
             ready,
             condition("Attached", attached, old.get("Attached"), now),
         ],
     }
+
+
+# How the agent names a pod in its messages (`Holder`'s text): "pod <namespace>/<name>".
+_POD = re.compile(r"\bpod ([a-z0-9][-a-z0-9]*)/")
+
+
+def _as_tenants_see(npci: NodeDevice, ready: Cond, namespace: str) -> Cond:
+    """The node's Ready as `namespace`'s PCIDevice shows it: a message that names a pod of another
+    namespace (a HeldByPod while the pod of its previous assignment holds it) says so without
+    the name, for the same reason admission tells a tenant nothing of another's devices."""
+    named = [f"{ns}/{pod}" for ns, pod, _ in npci.holders if ns != namespace]
+    if not any(ns != namespace for ns in _POD.findall(ready.message)) and not any(n in ready.message for n in named):
+        return ready
+    return dataclasses.replace(ready, message=(
+        "Held by a pod of another namespace (where the device was assigned before): no pod here gets it until that "
+        f"pod ends; a device admin sees which on NodePCIDevice {npci.name}."))  # fmt: skip
 
 
 def _status_differs(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
