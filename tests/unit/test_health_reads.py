@@ -101,3 +101,10 @@ async def test_a_device_whose_config_space_does_not_answer_is_unhealthy_after_th
         if "has not answered" not in found:
             break
     assert found == "", found
+
+
+async def test_two_polls_at_once_share_the_reads_in_flight(tmp_path):
+    host = _host(tmp_path)
+    health = Health(host.sysfs, host.dev)
+    first, second = await asyncio.gather(health.problems({GPU: GROUP}), health.problems({GPU: GROUP, AUDIO: GROUP}))
+    assert first == {GPU: ""} and second == {GPU: "", AUDIO: ""}

@@ -48,17 +48,18 @@ class Health:
         POLL_WAIT: a read still in flight then answers with its device's last word until
         `deadline` has passed since it began, and with "does not answer" after."""
         loop = asyncio.get_running_loop()
+        reads = {}  # two polls at once (a scan's and the watch's) share the reads in flight
         for address, group in devices.items():
             if address not in self._reading:
                 self._reading[address] = (time.monotonic(), self._read(loop, address, group))
-        pending = [future for address, (_, future) in self._reading.items() if address in devices]
-        if pending:
-            await asyncio.wait(pending, timeout=POLL_WAIT)
+            reads[address] = self._reading[address]
+        if reads:
+            await asyncio.wait([future for _, future in reads.values()], timeout=POLL_WAIT)
         found = {}
-        for address in devices:
-            since, future = self._reading[address]
+        for address, (since, future) in reads.items():
             if future.done():
-                del self._reading[address]
+                if self._reading.get(address) == (since, future):
+                    del self._reading[address]
                 self._last[address] = found[address] = future.result()
             elif time.monotonic() - since > deadline:
                 found[address] = (f"{address}'s config space has not answered for {time.monotonic() - since:.0f} s "
