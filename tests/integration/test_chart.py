@@ -732,7 +732,8 @@ def test_dra_mode_gives_the_agent_the_kubelets_plugin_directories_cdi_and_its_sl
     }
     [role] = [o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("-agent-dra")]
     assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]} == {
-        (("resourceslices",), ("get", "list", "watch", "create", "patch")), (("resourceclaims",), ("get",))}
+        (("resourceslices",), ("get", "list", "watch", "create", "patch")), (("resourceclaims",), ("get", "list", "watch")),
+        (("resourceclaims/status",), ("patch",)), (("resourceclaims/driver",), ("associated-node:patch",))}
 
 
 def test_dra_mode_sends_claims_allocations_and_admin_access_to_the_operators_webhooks(helm, tmp_path):

@@ -19,8 +19,16 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
   the pods of the claims that hold it), and is reported Unhealthy, with why, to the kubelet (the
   pods that hold it show it); untainted and Healthy when it recovers (`dra.health`). One gone
   from the bus leaves the slice.
-- Prepare: the same binder child as the device plugins (`pci.binder.Binder`); what it moved is
-  recorded (`agent.bound.Bound`, in the plugin directory) so only that is ever given back.
+- Binding conditions (`dra.binding`): each device in the slice carries `VFIOBound` (and the
+  failure condition `VFIOBindFailed`), so the scheduler binds a pod allocated it only once the
+  driver has moved the whole IOMMU group to vfio-pci and said so in the claim's status.devices;
+  the driver watches the claims and does it as soon as the allocation is written, before the
+  pod reaches the node. A group that would not move answers VFIOBindFailed (the scheduler takes
+  the allocation back and tries again) and the device is tainted VFIOBindFailed:NoSchedule for
+  BIND_FAILED_HOLD seconds, so that try goes elsewhere.
+- Prepare: the same binder child as the device plugins (`pci.binder.Binder`), a no-op for a group
+  its binding condition already moved; what it moved is recorded (`agent.bound.Bound`, in the
+  plugin directory) so only that is ever given back.
   Prepared claims are kept in `checkpoint.json` there (`dra.prepared`, with the files they
   leave): a repeated prepare (kubelet retry or restart) answers the same, an unprepare after
   our own restart finds its files.
@@ -41,10 +49,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
+import operator
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +68,7 @@ from passthrough.agent.handover import served_elsewhere
 from passthrough.api.labels import NODE_LABEL
 from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
 from passthrough.deviceplugin.podresources import Asker
+from passthrough.dra import binding as dra_binding
 from passthrough.dra import cdi
 from passthrough.dra import health as dra_health
 from passthrough.dra import others as dra_others
@@ -68,7 +79,7 @@ from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
 from passthrough.dra.kubeletapi.drahealth_v1 import api_pb2_grpc as health_grpc
 from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2 as reg
 from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2_grpc as reg_grpc
-from passthrough.kube.cache import Mirror
+from passthrough.kube.cache import Informer, Mirror
 from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
 from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.kube.watch import watch_events
@@ -97,6 +108,9 @@ HEALTH_POLL = 0.5  # seconds between health reads of the published devices (chea
 REGISTRATION_WAIT = 10.0
 PASS_LOGGED = "DRA pass"  # what the debug log says of each pass (bench_dra counts them)
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path, at most (sun_path, less its NUL)
+# Seconds a device whose group would not go to vfio-pci stays tainted VFIOBindFailed:NoSchedule:
+# long enough for the scheduler's next try to take another device, then it is offered again.
+BIND_FAILED_HOLD = 300.0
 
 
 class DriverError(RuntimeError):
@@ -136,6 +150,14 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self.devices = Mirror(Custom(api, NODE_PCI_DEVICE_PLURAL), label_selector=f"{NODE_LABEL}={node_name}")
         self.slices = Mirror(Custom(api, dra_slice.PLURAL, group="resource.k8s.io", version="v1"),
                              label_selector=f"{NODE_LABEL}={node_name}")  # fmt: skip
+        # Every claim, as little as the binding conditions need (`dra.binding.waiting`): the
+        # allocation names the pool, and no selector can.
+        self.claims = Informer(api, "resourceclaims", functools.partial(dra_binding.waiting, node_name),
+                               on_change=self._claim_changed, group="resource.k8s.io", version="v1",
+                               resource_version=operator.attrgetter("resource_version"))  # fmt: skip
+        self._waiting: dict[str, dra_binding.Waiting] = {}  # uid -> a claim with devices to answer
+        self._waiting_changed = asyncio.Event()
+        self.bind_failed: dict[str, float] = {}  # address -> when its group would not go to vfio-pci (monotonic)
         self.inventory: dict[str, dra_slice.Published] = {}  # slice device name -> what it is, as last published
         self.health = Health(self.sysfs_root, self.dev_root)
         self.unhealthy: dict[str, str] = {}  # address -> why, of devices withdrawn from the slice for their health
@@ -219,7 +241,9 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         background = [asyncio.create_task(self.devices.run(), name="dra-devices"),
                       asyncio.create_task(self.slices.run(), name="dra-slices"),
                       asyncio.create_task(self._watch_health(), name="dra-health"),
-                      asyncio.create_task(self._watch_neighbours(), name="dra-neighbours")]  # fmt: skip
+                      asyncio.create_task(self._watch_neighbours(), name="dra-neighbours"),
+                      asyncio.create_task(self.claims.run(), name="dra-claims"),
+                      asyncio.create_task(self._answer_claims(), name="dra-binding")]  # fmt: skip
         try:
             await self.devices.synced.wait()
             await self.slices.synced.wait()
@@ -295,6 +319,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self._judge_health()
         # An ill device stays, tainted (the scheduler and the pods say why); one gone leaves.
         marks = {address: dra_health.taint(why) for address, why in self.unhealthy.items()}
+        marks = {**{a: dra_health.BIND_FAILED_TAINT for a in self._bind_failed_now()}, **marks}
         withdrawn = [p for p in published if p.device.address in marks and marks[p.device.address] is None]
         published = [dataclasses.replace(p, taint=marks.get(p.device.address)) for p in published if p not in withdrawn]
         self.inventory = dra_slice.by_name(published)
@@ -506,46 +531,10 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                        if r.get("driver") == DRIVER and r.get("pool") == self.node_name]  # fmt: skip
             if not results:
                 raise PrepareError(f"claim {namespace}/{name} has no device of {DRIVER} on node {self.node_name} allocated")
-            chosen = []
             elsewhere = await self._elsewhere_now()
-            for result in results:
-                item = self.inventory.get(result.get("device", ""))
-                why = elsewhere.get(item.device.address if item else _address_of(result.get("device", "")))
-                if why is not None:
-                    raise PrepareError(f"device {result.get('device')} is not this driver's to prepare: {why}")
-                if item is None:
-                    raise PrepareError(f"device {result.get('device')} is not one this node offers now (unassigned, gone, or "
-                                       "no longer in the pool): the claim must be allocated again")  # fmt: skip
-                if item.namespace and item.namespace != namespace:
-                    raise PrepareError(f"device {item.name} ({item.device.address}) belongs to namespace {item.namespace}: "
-                                       f"a claim of {namespace} never gets it")  # fmt: skip
-                if (why := self.unhealthy.get(item.device.address)) is not None:
-                    # Allocated before it fell ill (a taint keeps no claim from what it has): no
-                    # VM starts on it; the kubelet retries, and it is prepared once it recovers.
-                    raise PrepareError(f"device {item.name} ({item.device.address}) is unhealthy: {why}; the claim is "
-                                       "prepared once it recovers")  # fmt: skip
-                if result.get("adminAccess"):
-                    raise PrepareError(f"device {item.name} ({item.device.address}) is allocated with adminAccess, which "
-                                       "passthrough devices do not allow: VFIO gives a device to one VM at a time")  # fmt: skip
-                other = holder(self.prepared, item.device.iommu_group, uid)
-                if other is not None:
-                    # Whatever the API says: a scheduler's race, or a pod force-deleted before the
-                    # kubelet unprepared its claim, can allocate one device to two claims.
-                    raise PrepareError(f"device {item.name} ({item.device.address}, IOMMU group {item.device.iommu_group}) "
-                                       f"is prepared for claim {other.namespace}/{other.name}: a device and its IOMMU group "
-                                       "go to one claim at a time; this claim is prepared once that one is unprepared")  # fmt: skip
-                chosen.append((result, item))
-            groups = self._groups()
-            for group in sorted({item.device.iommu_group for _, item in chosen}):
-                members = groups.get(group, [])
-                try:
-                    _, moved = await self.binder.bind(self.sysfs_root, self.dev_root, group, members, self.bind_timeout)
-                except BindError as exc:
-                    self.bound.add(getattr(exc, "moved", {}))
-                    self._drivers_moved(getattr(exc, "moved", {}))
-                    raise PrepareError(f"binding IOMMU group {group} ({', '.join(members)}) to vfio-pci failed: {exc}") from None
-                self.bound.add(moved)
-                self._drivers_moved(moved)
+            chosen = [(result, self._judge(namespace, uid, result.get("device", ""), bool(result.get("adminAccess")), elsewhere))
+                      for result in results]  # fmt: skip
+            await self._bind_groups([item for _, item in chosen])
             devices = [
                 cdi.PreparedDevice(request=r["request"], pool=self.node_name, name=item.name, address=item.device.address,
                                    iommu_group=item.device.iommu_group, attributes=dra_slice.attributes(item),
@@ -558,6 +547,131 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             log.info("prepared claim %s/%s: %s", namespace, name,
                      ", ".join(f"{d.name} ({d.address}, IOMMU group {d.iommu_group})" for d in devices))  # fmt: skip
             return [_device_message(d) for d in prepared.devices]
+
+    def _judge(self, namespace: str, uid: str, device: str, admin_access: bool, elsewhere: dict[str, BindError]) -> dra_slice.Published:
+        """The published device `device` if the claim `uid` of `namespace` may have it here;
+        PrepareError saying why not."""
+        item = self.inventory.get(device)
+        why = elsewhere.get(item.device.address if item else _address_of(device))
+        if why is not None:
+            raise PrepareError(f"device {device} is not this driver's to prepare: {why}")
+        if item is None:
+            raise PrepareError(f"device {device} is not one this node offers now (unassigned, gone, or "
+                               "no longer in the pool): the claim must be allocated again")  # fmt: skip
+        if item.namespace and item.namespace != namespace:
+            raise PrepareError(f"device {item.name} ({item.device.address}) belongs to namespace {item.namespace}: "
+                               f"a claim of {namespace} never gets it")  # fmt: skip
+        if (why := self.unhealthy.get(item.device.address)) is not None:
+            # Allocated before it fell ill (a taint keeps no claim from what it has): no
+            # VM starts on it; the kubelet retries, and it is prepared once it recovers.
+            raise PrepareError(f"device {item.name} ({item.device.address}) is unhealthy: {why}; the claim is "
+                               "prepared once it recovers")  # fmt: skip
+        if admin_access:
+            raise PrepareError(f"device {item.name} ({item.device.address}) is allocated with adminAccess, which "
+                               "passthrough devices do not allow: VFIO gives a device to one VM at a time")  # fmt: skip
+        other = holder(self.prepared, item.device.iommu_group, uid)
+        if other is not None:
+            # Whatever the API says: a scheduler's race, or a pod force-deleted before the
+            # kubelet unprepared its claim, can allocate one device to two claims.
+            raise PrepareError(f"device {item.name} ({item.device.address}, IOMMU group {item.device.iommu_group}) "
+                               f"is prepared for claim {other.namespace}/{other.name}: a device and its IOMMU group "
+                               "go to one claim at a time; this claim is prepared once that one is unprepared")  # fmt: skip
+        return item
+
+    async def _bind_groups(self, items: Iterable[dra_slice.Published]) -> list[tuple[int, list[str]]]:
+        """The whole IOMMU group of each device on vfio-pci (a no-op for a group already there);
+        the groups and their members. PrepareError (with `.group`) when one would not move."""
+        groups = self._groups()
+        done = []
+        for group in sorted({item.device.iommu_group for item in items}):
+            members = groups.get(group, [])
+            try:
+                _, moved = await self.binder.bind(self.sysfs_root, self.dev_root, group, members, self.bind_timeout)
+            except BindError as exc:
+                self.bound.add(getattr(exc, "moved", {}))
+                self._drivers_moved(getattr(exc, "moved", {}))
+                error = PrepareError(f"binding IOMMU group {group} ({', '.join(members)}) to vfio-pci failed: {exc}")
+                error.group = group
+                raise error from None
+            self.bound.add(moved)
+            self._drivers_moved(moved)
+            for address in members:
+                self.bind_failed.pop(address, None)
+            done.append((group, members))
+        return done
+
+    # -- binding conditions ------------------------------------------------------------------------
+
+    def _claim_changed(self, old: dra_binding.Waiting | None, new: dra_binding.Waiting | None) -> None:
+        if new is not None and new.devices:
+            self._waiting[new.uid] = new
+            self._waiting_changed.set()
+        elif old is not None:
+            self._waiting.pop(old.uid, None)
+
+    async def _answer_claims(self) -> None:
+        """Each claim allocated a device of ours here with our binding condition gets its answer:
+        the group on vfio-pci and VFIOBound, or VFIOBindFailed with why."""
+        while True:
+            await self._waiting_changed.wait()
+            self._waiting_changed.clear()
+            for uid, claim in list(self._waiting.items()):
+                try:
+                    async with asyncio.timeout(60):
+                        await self._answer(claim)
+                except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
+                    log.warning("answering the binding conditions of claim %s/%s failed (%s: %s); again in %.0fs",
+                                claim.namespace, claim.name, type(exc).__name__, exc, RETRY)  # fmt: skip
+                    asyncio.get_running_loop().call_later(RETRY, self._waiting_changed.set)
+                    continue
+                if self._waiting.get(uid) is claim:
+                    del self._waiting[uid]  # answered; a later change of the claim comes back through the cache
+
+    async def _answer(self, claim: dra_binding.Waiting) -> None:
+        await self.published.wait()  # the inventory is the slice the scheduler allocated from
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        answers: dict[str, dict[str, Any]] = {}
+        async with self._lock:
+            elsewhere = await self._elsewhere_now()
+            items = []
+            for _, device, admin_access in claim.devices:
+                try:
+                    items.append(self._judge(claim.namespace, claim.uid, device, admin_access, elsewhere))
+                except PrepareError as exc:
+                    answers[device] = dra_binding.condition(False, str(exc), now, reason="Refused")
+            if not answers:
+                try:
+                    groups = await self._bind_groups(items)
+                except PrepareError as exc:
+                    failed = [i for i in items if i.device.iommu_group == getattr(exc, "group", None)]
+                    for item in failed:
+                        self.bind_failed[item.device.address] = time.monotonic()
+                    answers = {item.name: dra_binding.condition(False, str(exc), now, reason="BindFailed") for item in items}
+                    asyncio.get_running_loop().call_later(BIND_FAILED_HOLD + 1, self.trigger)  # past the hold: untainted
+                    self.trigger()  # tainted now, so the scheduler's next try goes elsewhere
+                else:
+                    on = {group: members for group, members in groups}
+                    answers = {item.name: dra_binding.condition(True, f"IOMMU group {item.device.iommu_group} "
+                                                                f"({', '.join(on[item.device.iommu_group])}) is on vfio-pci", now)
+                               for item in items}  # fmt: skip
+        path = f"/apis/resource.k8s.io/v1/namespaces/{claim.namespace}/resourceclaims/{claim.name}/status"
+        try:
+            await self.session.request("PATCH", path, query={"fieldManager": dra_binding.FIELD_MANAGER, "force": True},
+                                       body=dra_binding.status_apply(claim, self.node_name, answers), content_type=APPLY_PATCH)  # fmt: skip
+        except ApiError as exc:
+            if exc.status in (404, 409):
+                return  # deleted or replaced meanwhile: nobody waits for this answer
+            raise
+        for device, answer in sorted(answers.items()):
+            log.info("claim %s/%s device %s: %s=True (%s)", claim.namespace, claim.name, device, answer["type"], answer["message"])
+
+    def _bind_failed_now(self) -> list[str]:
+        """The devices still tainted for a failed bind; those past BIND_FAILED_HOLD are offered again."""
+        cutoff = time.monotonic() - BIND_FAILED_HOLD
+        for address in [a for a, when in self.bind_failed.items() if when <= cutoff]:
+            del self.bind_failed[address]
+            log.info("%s is offered again, untainted, %.0fs after its group would not go to vfio-pci", address, BIND_FAILED_HOLD)
+        return sorted(self.bind_failed)
 
     async def _elsewhere_now(self) -> dict[str, BindError]:
         """What other servers have, asked again: a plugin may have registered since the last pass."""

@@ -23,6 +23,9 @@ MESSAGE_MAX = 1024  # the kubelet cuts a longer message
 
 TAINT_KEY = "passthrough.io/unhealthy"
 NO_SCHEDULE, NO_EXECUTE = "NoSchedule", "NoExecute"
+# A device whose IOMMU group would not go to vfio-pci when a claim was allocated it (`dra.binding`):
+# no claim is allocated it for a while, so the scheduler's next try goes elsewhere.
+BIND_FAILED_TAINT = (TAINT_KEY, "VFIOBindFailed", NO_SCHEDULE)
 # The hardware's words (`pci.health.Health.hardware_problem`) for a device that is gone or fell off.
 VANISHED, FELL_OFF = "vanished from the bus", "fell off the bus"
 

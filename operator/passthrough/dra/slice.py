@@ -35,6 +35,10 @@ PLURAL = "resourceslices"
 STRING_MAX = 64  # a string attribute's value, at most (the API server refuses longer)
 NAME_MAX = 253
 MAX_DEVICES = 128  # devices in one ResourceSlice, at most (resource.k8s.io/v1 refuses more)
+# Binding conditions (`dra.binding`): the scheduler binds a pod allocated a device only once the
+# claim's status says its IOMMU group is on vfio-pci, and allocates again when it says it failed.
+BOUND = "VFIOBound"
+BIND_FAILED = "VFIOBindFailed"
 
 
 @dataclass(frozen=True)
@@ -145,11 +149,15 @@ def spec(node_name: str, published: Iterable[Published]) -> dict[str, Any]:
 
 
 def _device(item: Published) -> dict[str, Any]:
-    found: dict[str, Any] = {"name": item.name, "attributes": attributes(item)}
+    found: dict[str, Any] = {"name": item.name, "attributes": attributes(item), **_binding()}
     if item.taint:
         key, value, effect = item.taint
         found["taints"] = [{"key": key, "value": value, "effect": effect}]
     return found
+
+
+def _binding() -> dict[str, list[str]]:
+    return {"bindingConditions": [BOUND], "bindingFailureConditions": [BIND_FAILED]}
 
 
 def _taints(device: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -244,7 +252,8 @@ def changed(desired: dict[str, Any], live: dict[str, Any] | None, node_uid: str)
         desired["driver"], desired["nodeName"], desired["pool"]["name"], desired["pool"]["resourceSliceCount"]
     ):  # fmt: skip
         return True
-    devices = [{"name": d.get("name"), "attributes": d.get("attributes") or {}, **({"taints": _taints(d)} if _taints(d) else {})}
+    devices = [{"name": d.get("name"), "attributes": d.get("attributes") or {},
+                **{key: d[key] for key in _binding() if d.get(key)}, **({"taints": _taints(d)} if _taints(d) else {})}
                for d in have.get("devices") or []]  # fmt: skip
     return devices != desired["devices"]
 
