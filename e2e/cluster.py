@@ -262,10 +262,12 @@ class LocalCluster:
                 # resourceclaim-controller takes a ResourceClaim's reservation and allocation back
                 # once its pods are gone (DRA: without it a deleted claim keeps its device);
                 # device-taint-eviction-controller deletes the pods of claims whose device is
-                # tainted NoExecute (the DRA driver's device that fell off the bus).
+                # tainted NoExecute (the DRA driver's device that fell off the bus);
+                # resourcequota counts a ResourceQuota's use, without which the API server's quota
+                # admission refuses everything a quota covers (quota on claims and GPUs).
                 "--controllers=namespace,garbagecollector,serviceaccount,serviceaccount-token,"
                 "clusterrole-aggregation-controller,validatingadmissionpolicy-status-controller,"
-                "resourceclaim-controller,device-taint-eviction-controller",
+                "resourceclaim-controller,device-taint-eviction-controller,resourcequota",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
                 f"--root-ca-file={pki / 'ca.crt'}",
                 "--leader-elect=false",
