@@ -3,13 +3,14 @@ image reference given, the image built here (`make image`) imported into the nod
 
 The operator's two replicas and the agent's DaemonSet pod run from that image under the chart's
 securityContexts, mounts and RBAC; the API server calls the admission webhooks through the
-chart's Service (kube-proxy's rules, as in a cluster); `helm upgrade` to a changed values file
-rolls the pods.
+chart's Service (kube-proxy's rules, as in a cluster), scrapes reach `/metrics` through the
+metrics Services with a token; `helm upgrade` to a changed values file rolls the pods.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -84,6 +85,47 @@ def test_the_api_server_calls_the_webhooks_through_the_charts_service(node):
     message = refused_pod(node, "tenant-a")
     assert 'admission webhook "pods.admission.passthrough.io" denied the request' in message, message
     assert "pci-does-not-exist" in message
+
+
+SCRAPE = """
+import sys, urllib.error, urllib.request
+headers = {"Authorization": "Bearer " + sys.argv[2]} if sys.argv[2] else {}
+try:
+    with urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers=headers), timeout=10) as response:
+        print(response.status)
+        print(response.read().decode())
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+"""
+
+
+def scrape(node: RealNode, url: str, token: str = "") -> tuple[int, str]:
+    """A scrape as Prometheus makes it, from the node's network (through kube-proxy's rules)."""
+    result = node.in_node(sys.executable, "-c", SCRAPE, url, token)
+    assert result.returncode == 0, result.stderr
+    status, _, body = result.stdout.partition("\n")
+    return int(status), body
+
+
+def test_scrapes_reach_metrics_through_the_metrics_services_with_a_token(node):
+    """The operator's metrics Service (a ClusterIP) and the agents' (headless: each pod's
+    address), with the token of a ServiceAccount bound to the chart's metrics-reader role."""
+    node.kubectl("create", "namespace", "monitoring")
+    node.kubectl("create", "serviceaccount", "prometheus", "-n", "monitoring")
+    node.kubectl("create", "clusterrolebinding", "prometheus-passthrough-metrics",
+                 f"--clusterrole={install.FULLNAME}-metrics-reader", "--serviceaccount=monitoring:prometheus")  # fmt: skip
+    token = node.kubectl("create", "token", "prometheus", "-n", "monitoring").stdout.strip()
+    service = json.loads(node.kubectl("get", "service", f"{install.OPERATOR}-metrics", "-n", NAMESPACE, "-o", "json").stdout)
+    url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}/metrics"
+    status, body = install.wait_for(lambda: (r := scrape(node, url, token))[0] == 200 and r, 60, "a scrape of the operator")
+    assert "# TYPE passthrough_" in body
+    assert scrape(node, url)[0] == 401
+    slices = json.loads(node.kubectl("get", "endpointslices", "-n", NAMESPACE, "-o", "json",
+                                     f"-l=kubernetes.io/service-name={install.AGENT}-metrics").stdout)["items"]  # fmt: skip
+    [address] = [a for s in slices for e in s["endpoints"] for a in e["addresses"]]
+    [port] = [p["port"] for s in slices for p in s["ports"]]
+    status, body = scrape(node, f"http://{address}:{port}/metrics", token)
+    assert status == 200 and "# TYPE passthrough_" in body
 
 
 def test_helm_upgrade_to_changed_values_rolls_the_pods(node, tmp_path):
