@@ -21,9 +21,13 @@ What each figure means:
 - DRA, claim + pod to CreateContainer: --rounds times a ResourceClaim of the operator's
   DeviceClass `passthrough-bench-vms` and a pod using it; from just before the claim's create
   call to the CreateContainer that carried the claim's CDI devices: the scheduler's allocation,
-  the claim-status webhook, the kubelet's NodePrepareResources to our driver (the group bind is
-  a no-op: it stays on vfio-pci between rounds, as the device plugins keep it), the CDI specs
-  and metadata written. Each round waits for the pod, the claim and the claim's CDI files to be
+  the claim-status webhook, the binding condition (the driver's VFIOBound answer in the claim's
+  status, which the scheduler waits for before it binds the pod, asking every 5 s), the kubelet's
+  NodePrepareResources to our driver (the group bind is a no-op both times: it stays on
+  vfio-pci between rounds, as the device plugins keep it), the CDI specs and metadata written.
+  Each claim is read back before it is deleted: the line after says how many of them were
+  allocated with the binding condition and answered VFIOBound, so the figure is with binding
+  conditions on. Each round waits for the pod, the claim and the claim's CDI files to be
   gone before the next, and starts once the kubelet has registered the driver. p50, p90 and
   the slowest of each; both clocks are this machine's wall clock.
 - ResourceSlice writes at rest: the DRA agent runs `--rescan-interval=1s`; with nothing
@@ -72,13 +76,14 @@ from e2e.processes import AgentProcess, OperatorProcess, WebhookServing, running
 from passthrough.agent import report  # noqa: E402
 from passthrough.dra import slice as dra_slice  # noqa: E402
 from passthrough.dra.driver import PASS_LOGGED  # noqa: E402
+from passthrough.dra.slice import BOUND  # noqa: E402
 from passthrough.kube.client import APPLY_PATCH, ApiError, session_of  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
 from passthrough.kube.custom import AGENT_MANAGER  # noqa: E402
 from passthrough.pci.discovery import discover  # noqa: E402
 from passthrough.pci.naming import exclusive_resource_name  # noqa: E402
 from passthrough.pci.pciids import PciIds  # noqa: E402
-from tests.integration.test_dra import RESOURCE, claim, claim_pod, create_claim, delete_claim  # noqa: E402
+from tests.integration.test_dra import RESOURCE, claim, claim_pod, create_claim, delete_claim, read_claim  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
@@ -210,8 +215,9 @@ async def class_made(bench: Bench) -> None:
     await support.wait_for(there, TIMEOUT, 0.1, what=f"DeviceClass {DEVICE_CLASS}")
 
 
-async def bench_claims(bench: Bench, rounds: int) -> list[float]:
-    samples = []
+async def bench_claims(bench: Bench, rounds: int) -> tuple[list[float], int]:
+    """The samples, and how many of the claims waited for and got their VFIOBound answer."""
+    samples, answered = [], 0
     for i in range(rounds):
         claim_name, pod_name = f"claim-{i}", f"dra-{i}"
         started = time.time()
@@ -221,6 +227,11 @@ async def bench_claims(bench: Bench, rounds: int) -> list[float]:
         if not record.get("cdi_devices"):
             raise RuntimeError(f"{pod_name}'s container got no CDI devices: {record}")
         samples.append(wall(record["time"]) - started)
+        body = await read_claim(bench.api, NAMESPACE, claim_name)
+        [result] = body["status"]["allocation"]["devices"]["results"]
+        answers = [c for d in body["status"].get("devices") or [] if d.get("device") == result["device"]
+                   for c in d.get("conditions") or [] if c.get("type") == BOUND and c.get("status") == "True"]  # fmt: skip
+        answered += BOUND in (result.get("bindingConditions") or []) and bool(answers)
         await support.delete_pod(bench.api, NAMESPACE, pod_name)
         await delete_claim(bench.session, NAMESPACE, claim_name)
         uid = made["metadata"]["uid"]
@@ -229,7 +240,7 @@ async def bench_claims(bench: Bench, rounds: int) -> list[float]:
             return not list(bench.cdi_dir.glob(f"*{uid}*"))
 
         await support.wait_for(unprepared, TIMEOUT, 0.05, what=f"{claim_name}'s CDI files removed")
-    return samples
+    return samples, answered
 
 
 async def bench_at_rest(bench: Bench, seconds: int) -> None:
@@ -310,9 +321,11 @@ async def bench(local, root: Path, args) -> None:
             live = await published(node, args.gpus)
             await registered(node)
             await class_made(node)
-            dra = await bench_claims(node, args.rounds)
+            dra, answered = await bench_claims(node, args.rounds)
             print_latency("device plugin:", dp, "pods", "pod with passthrough.io/<name> to CreateContainer with its env and /dev/vfio")
             print_latency("DRA:", dra, "claims", "claim + pod to CreateContainer with its CDI devices")
+            print(f"{'DRA, binding condition:':<26}{answered} of {len(dra)} claims allocated with {BOUND} and answered it "
+                  "before their pod was bound")  # fmt: skip
             await bench_at_rest(node, args.rescans)
             live = await node.live_slice() or live
             print_slice_size(f"slice, {args.gpus} GPUs:", live)
