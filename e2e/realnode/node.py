@@ -326,29 +326,22 @@ class RealNode:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": f"{self.bin_dir}:{os.environ['PATH']}"}
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
-            input=input,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if check and result.returncode != 0:
-            raise RealNodeError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
-        return result
+        return self._tool("kubectl", args, input=input, check=check, timeout=timeout)
 
     def helm(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
         home = self.workdir / "helm"
         env = {**self.env(), **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
+        return self._tool("helm", args, check=check, timeout=timeout, env=env)
+
+    def _tool(self, name: str, args: tuple[str, ...], check: bool, timeout: float, input: str | None = None,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+        """The control plane's kubectl or helm against this node's cluster; RealNodeError when `check` and it fails."""
         result = subprocess.run(
-            [str(self.bin_dir / "helm"), f"--kubeconfig={self.kubeconfig}", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-        )
+            [str(self.bin_dir / name), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input, capture_output=True, text=True, env=env, timeout=timeout,
+        )  # fmt: skip
         if check and result.returncode != 0:
-            raise RealNodeError(f"helm {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+            raise RealNodeError(f"{name} {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return result
 
     def in_node(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
