@@ -92,7 +92,7 @@ async def test_a_device_whose_config_space_does_not_answer_is_unhealthy_after_th
         await asyncio.sleep(0.6)
         found = (await health.problems({GPU: GROUP}, deadline=1.0))[GPU]
         assert "config space has not answered" in found, found
-        assert sum(t.name == f"health {GPU}" for t in threading.enumerate()) == 1  # never a second thread
+        assert sum(t.name == f"health {GPU} _config_part" for t in threading.enumerate()) == 1  # never a second one
     finally:
         _let_go(config)
     # The read returns: what it says from then on.
@@ -108,3 +108,34 @@ async def test_two_polls_at_once_share_the_reads_in_flight(tmp_path):
     health = Health(host.sysfs, host.dev)
     first, second = await asyncio.gather(health.problems({GPU: GROUP}), health.problems({GPU: GROUP, AUDIO: GROUP}))
     assert first == {GPU: ""} and second == {GPU: "", AUDIO: ""}
+
+
+def test_a_fatal_error_counted_at_its_root_port_makes_the_devices_below_it_unhealthy(tmp_path):
+    # The kernel reads no endpoint's own status after a fatal error ("type=Inaccessible"): only
+    # the root port's counter rises, and the link below it is reset.
+    host = _host(tmp_path)
+    port = host.device_dir(GPU).parent / "aer_rootport_total_err_fatal"
+    port.write_text("0\n")
+    health = Health(host.sysfs, host.dev)
+    assert health.problem(GPU, GROUP) == ""
+    port.write_text("1\n")
+    found = health.problem(GPU, GROUP)
+    assert "1 new fatal AER error(s) at its root port 0000:00:03.0" in found, found
+
+
+async def test_an_aer_error_shows_while_its_config_reads_wait(tmp_path):
+    # A fatal error comes with a link reset, which holds config access: the counters are read apart.
+    host = _host(tmp_path)
+    port = host.device_dir(GPU).parent / "aer_rootport_total_err_fatal"
+    port.write_text("0\n")
+    health = Health(host.sysfs, host.dev)
+    assert await health.problems({GPU: GROUP}) == {GPU: ""}
+    config = _block_config(host, AUDIO)
+    try:
+        port.write_text("1\n")
+        started = time.monotonic()
+        found = (await health.problems({GPU: GROUP}))[GPU]
+        assert "new fatal AER error(s) at its root port" in found, found
+        assert time.monotonic() - started < 1.0
+    finally:
+        _let_go(config)

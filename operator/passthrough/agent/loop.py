@@ -528,6 +528,7 @@ class Agent:
             await self._apply(report.status_body(name, desired, live), status=True)
             result.writes += 1
             log.info("%s (%s) is gone from %s", name, live.get("status", {}).get("attributes", {}).get("pciAddress"), self.node_name)
+            self._event(name, "Warning", "NotFound", desired["conditions"][0]["message"])  # a surprise removal says so at once
         except ApiError as exc:
             if exc.status != 404:  # already deleted by the operator or the garbage collector
                 result.failed.append(name)

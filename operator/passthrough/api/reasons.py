@@ -50,7 +50,7 @@ REASONS: dict[str, Reason] = {
         "The node no longer has a device at this address (removed, hidden by a firmware or driver change, "
         "or the node booted without it). The object and its assignment are kept for the grace period.",
         "Put the device back, or unassign it; an unassigned device's object goes by itself.",
-        _READY, (f"{PCI_DEVICE}/Warning",),
+        _READY, _NODE_SAYS,
     ),
     "VfioNotLoaded": Reason(
         "The vfio-pci driver is not loaded on the node, so no device can be bound to it.",
