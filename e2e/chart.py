@@ -56,12 +56,13 @@ def template(helm: Helm, release: str, namespace: str, *flags: str) -> list[dict
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-def webhook_configuration(helm: Helm, serving, *flags: str) -> dict:
-    """The chart's ValidatingWebhookConfiguration, calling `serving` (an
-    `e2e.processes.WebhookServing` on 127.0.0.1) instead of the operator's Service; `flags`
-    for helm (`--set=agent.devicePlugin.dra=true` adds the DRA webhooks)."""
+def webhook_configuration(helm: Helm, serving, *flags: str, kind: str = "ValidatingWebhookConfiguration") -> dict:
+    """The chart's ValidatingWebhookConfiguration (or, with `kind`, its
+    MutatingWebhookConfiguration), calling `serving` (an `e2e.processes.WebhookServing` on
+    127.0.0.1) instead of the operator's Service; `flags` for helm
+    (`--set=agent.devicePlugin.dra=true` adds the DRA webhooks)."""
     objects = template(helm, "passthrough", "passthrough-system", "--show-only=templates/webhook.yaml", *flags)
-    [configuration] = [o for o in objects if o["kind"] == "ValidatingWebhookConfiguration"]
+    [configuration] = [o for o in objects if o["kind"] == kind]
     return serving.point(configuration)
 
 

@@ -205,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         serving = WebhookServing(WORKDIR / "webhook-tls")
         dra_flags = ["--dra"] if args.dra else []
         children["operator"] = _spawn("operator", ["operator", f"--kubeconfig={cluster.kubeconfig}", *serving.args(), *dra_flags], logs)
-        hooks = chart.webhook_configuration(chart.helm(WORKDIR / "helm"), serving, *([DRA_CHART] if args.dra else []))
-        cluster.kubectl("create", "-f", "-", input=json.dumps(hooks))
+        helm, chart_flags = chart.helm(WORKDIR / "helm"), [DRA_CHART] if args.dra else []
+        for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
+            # The mutating one dates each assignment (passthrough.io/assigned-at), as in a cluster.
+            hooks = chart.webhook_configuration(helm, serving, *chart_flags, kind=kind)
+            cluster.kubectl("create", "-f", "-", input=json.dumps(hooks))
         no_kubelet = kubelet.why_unavailable(cluster)
         if no_kubelet:
             _say(f"left the kubelet out: {no_kubelet}; the GPU node is a Node object only")

@@ -144,6 +144,9 @@ def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, t
         run_printed(output, only=[c for c in documented if c not in commands])
         eventually(lambda: kubectl("get", "pci", "-n", "team-a", devcluster.FIRST_GPU).returncode == 0, 30,
                    lambda: f"PCIDevice team-a/{devcluster.FIRST_GPU}")  # fmt: skip
+        # The chart's mutating webhook is registered too: the assignment carries its own time.
+        dated = kubectl("get", "npci", devcluster.FIRST_GPU, "-o", "jsonpath={.metadata.annotations.passthrough\\.io/assigned-at}")
+        assert dated.returncode == 0 and dated.stdout.strip(), dated.stdout + dated.stderr
         if not kubelet.why_unavailable(cluster):
             assert "the fake runtime's record of each container: " in output, output
 
