@@ -10,7 +10,8 @@ Each latency is measured on the guest's clock, from the fault (the guest's clock
 before the monitor command, or right after the fault took effect) to the first ListAndWatch
 update without the device healthy; for AER, the part that is the kernel's (until its counter
 rose) is printed apart from the agent's. A surprise removal takes the device from the guest for
-good, so that test runs after all others but the agent's last (`rk_last(1)`).
+good, so that test runs after all others but the agent's last (`rk_last(1)`), after the one that
+takes the same device off the bus and back.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def test_a_fatal_aer_error_makes_a_served_device_unhealthy_within_a_second(guest
     assert latency < GOAL, f"{latency:.2f}s (the kernel's part {kernel:.2f}s)"
 
 
+@pytest.mark.rk_last(1)  # testdev is other tests' device with no driver until the session's end
 def test_a_device_whose_config_reads_return_all_ones_is_unhealthy_within_a_second(guest, node, tenant):
     resource = handed_out(node, tenant, TESTDEV)
     with PluginWatch(guest, node.device_plugin_dir, resource) as watch:
