@@ -123,7 +123,7 @@ def test_a_fatal_error_counted_at_its_root_port_makes_the_devices_below_it_unhea
     assert "1 new fatal AER error(s) at its root port 0000:00:03.0" in found, found
 
 
-async def test_an_aer_error_shows_while_its_config_reads_wait(tmp_path):
+async def test_an_aer_error_shows_while_its_config_reads_wait(tmp_path, monkeypatch):
     # A fatal error comes with a link reset, which holds config access: the counters are read apart.
     host = _host(tmp_path)
     port = host.device_dir(GPU).parent / "aer_rootport_total_err_fatal"
@@ -133,9 +133,11 @@ async def test_an_aer_error_shows_while_its_config_reads_wait(tmp_path):
     config = _block_config(host, AUDIO)
     try:
         port.write_text("1\n")
+        monkeypatch.setattr("passthrough.pci.health.POLL_WAIT", 60.0)  # were the config read waited for
         started = time.monotonic()
         found = (await health.problems({GPU: GROUP}))[GPU]
         assert "new fatal AER error(s) at its root port" in found, found
-        assert time.monotonic() - started < 1.0
+        # The config read that waits is not waited for once the counters have spoken.
+        assert time.monotonic() - started < 30
     finally:
         _let_go(config)

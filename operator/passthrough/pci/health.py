@@ -64,8 +64,11 @@ class Health:
                 if (address, part) not in self._reading:
                     self._reading[address, part] = (time.monotonic(), self._read(loop, check, address, group))
                 reads[address, part] = self._reading[address, part]
-        if reads:
-            await asyncio.wait([future for _, future in reads.values()], timeout=POLL_WAIT)
+        until = loop.time() + POLL_WAIT
+        while pending := [future for key, (_, future) in reads.items() if not future.done() and not _told(reads, key)]:
+            if loop.time() >= until:
+                break
+            await asyncio.wait(pending, timeout=until - loop.time(), return_when=asyncio.FIRST_COMPLETED)
         said = {}
         for key, (since, future) in reads.items():
             if future.done():
@@ -174,6 +177,15 @@ class Health:
             del self._aer_rose[address]
             return ""
         return f"{address} reported {what}; it counts as unhealthy for {self.aer_hold:g} s after the last one"
+
+
+def _told(reads: Mapping[tuple[str, str], tuple[float, asyncio.Future[str]]], key: tuple[str, str]) -> bool:
+    """Whether a config read need not be waited for: the device's counters already say it is ill
+    (a fatal AER error comes with a link reset, which holds config access)."""
+    if key[1] != "config":
+        return False
+    _, counters = reads[key[0], "counters"]
+    return counters.done() and bool(counters.result())
 
 
 def _root_port(entry: Path) -> str:
