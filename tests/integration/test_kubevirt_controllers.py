@@ -13,23 +13,19 @@ virt-handler would put on it (`virt.mark_node`).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from kubernetes_asyncio import client
 
 from e2e import build, support, virt
-from e2e.processes import AgentProcess
 from e2e.support import device_names, wait_resources
 from passthrough.kube.custom import Custom
 from passthrough.pci.naming import exclusive_resource_name, resource_env_name
-# The operator with its webhooks registered from the chart, and the fixture GPU node, as there.
+# The operator with its webhooks registered from the chart, the fixture GPU node and its agent, as there.
 from tests.integration.test_admission import HOOK, operator, serving, webhook_counts, webhooks  # noqa: F401
-from tests.integration.test_device_plugin import gpu_host  # noqa: F401
+from tests.integration.test_device_plugin import agent, gpu_host  # noqa: F401
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parents[2]
-PCI_IDS = REPO / "e2e/data/pci.ids.2025-07-11"
 POOL = "nvidia.com/GA102GL_A10"
 GPU_MODE = "passthrough.io/gpu-passthrough"
 GROUPS = {"0000:3b:00.0": 20, "0000:3b:00.1": 20, "0000:af:00.0": 21, "0000:af:00.1": 21}
@@ -55,15 +51,6 @@ def kubelet(cluster, module_kubelet_nodes, kube_scheduler):
     node = module_kubelet_nodes()
     virt.mark_node(cluster, node.node_name)
     return node
-
-
-@pytest.fixture(scope="module")
-def agent(cluster, kubelet, gpu_host, tmp_path_factory, operator):
-    host, _ = gpu_host
-    proc = AgentProcess(cluster, tmp_path_factory.mktemp("agent") / "agent.log", kubelet.node_name, host, PCI_IDS,
-                        kubelet=kubelet).start()  # fmt: skip
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(scope="module")
