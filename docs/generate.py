@@ -68,6 +68,11 @@ SECTIONS = (
      "`AssignedDevicesPermitted` and `NodesMatchAllowList` (`kubectl get ptconfig` shows them).",
      ("PassthroughConfig/Valid", "PassthroughConfig/Applied", "PassthroughConfig/AssignedDevicesPermitted",
       "PassthroughConfig/NodesMatchAllowList")),
+    ("DRA mode: a claim's devices, VFIOBound and VFIOBindFailed",
+     "In DRA mode the node's driver answers for each device allocated to a claim in the claim's `status.devices` "
+     "(`kubectl get resourceclaim <name> -o yaml`): the scheduler binds the claim's pod only once the device says "
+     "`VFIOBound`, and takes the allocation back on `VFIOBindFailed`.",
+     ("ResourceClaim/VFIOBound", "ResourceClaim/VFIOBindFailed")),
 )  # fmt: skip
 
 
@@ -117,7 +122,7 @@ def troubleshooting() -> str:
 
 # Reasons that say all is well: no symptom leads to them.
 WELL = {"Ready", "Assigned", "AttachedToVirtualMachine", "AllocatedToClaim", "Available", "Valid", "Applied",
-        "AllPermitted", "Match", "BoundToVfio", "GivenBack", "Attached", "Detached", "Released"}  # fmt: skip
+        "AllPermitted", "Match", "BoundToVfio", "GivenBack", "Attached", "Detached", "Released", "GroupOnVFIO"}  # fmt: skip
 SYMPTOMS = (
     ("`kubectl get npci` shows READY False", "the NodePCIDevice's `Ready` message", ("NodePCIDevice/Ready",)),
     ("ASSIGNED stays False after `spec.assignedNamespace` was set; no PCIDevice in the namespace",

@@ -79,7 +79,7 @@ def _strings(value: ast.expr | None, constants: dict[str, ast.expr]) -> set[str]
 
 def _is_reason(target: ast.expr) -> bool:
     name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
-    return name in ("reason", "REASON")
+    return name in ("reason", "REASON") or name.endswith(("_REASON", "_reason"))
 
 
 def scan(sources: dict[str, str]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
@@ -99,6 +99,13 @@ def scan(sources: dict[str, str]) -> tuple[dict[str, set[str]], dict[str, set[st
     for path, tree in trees.items():
         constants = _constants(tree)
         for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                positional = node.args.posonlyargs + node.args.args
+                pairs = list(zip(positional[len(positional) - len(node.args.defaults):], node.args.defaults))
+                pairs += [(a, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
+                for arg, default in pairs:
+                    if arg.arg == "reason":
+                        note(written, _strings(default, constants), path)
             if isinstance(node, ast.Call):
                 callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
                 slot = slots.get(callee)
@@ -150,7 +157,7 @@ def test_the_table_has_no_reason_the_code_never_writes(found) -> None:
 
 
 def test_every_entry_says_what_it_means_what_to_do_and_where() -> None:
-    kinds = {reasons.NODE_PCI_DEVICE, reasons.PCI_DEVICE, reasons.CONFIG}
+    kinds = {reasons.NODE_PCI_DEVICE, reasons.PCI_DEVICE, reasons.CONFIG, reasons.RESOURCE_CLAIM}
     for name, reason in reasons.REASONS.items():
         assert re.fullmatch(CAMEL_CASE_REASON, name), name
         assert reason.meaning.endswith(".") and reason.todo.endswith("."), name
@@ -187,6 +194,14 @@ class Recorder:
 def write(path, text, reason):
     pass
 
+DEFAULT_REASON = "ByNamedConstant"
+
+def answer(bound, reason=DEFAULT_REASON, other="NoReason"):
+    pass
+
+def keyword_only(*, reason="ByKeywordDefault"):
+    pass
+
 def spelled(recorder, flag):
     Cond("False", "ByDataclassField", "m")
     Failure("ByInitParameter", "m")
@@ -206,6 +221,7 @@ def test_the_scanner_finds_each_spelling() -> None:
     written, compared = scan({"spellings.py": SPELLINGS})
     assert set(written) == {
         "ByModuleConstant", "ByDataclassField", "ByInitParameter", "ByMethodParameter", "ByFunctionParameter",
-        "ByKeyword", "ByDictBody", "ByEventTuple", "ByIfArm", "ByElseArm", "ByConditionTuple",
+        "ByKeyword", "ByDictBody", "ByEventTuple", "ByIfArm", "ByElseArm", "ByConditionTuple", "ByNamedConstant",
+        "ByKeywordDefault",
     }  # fmt: skip
     assert set(compared) == {"ComparedInTuple"}

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NODE_PCI_DEVICE, PCI_DEVICE, CONFIG = "NodePCIDevice", "PCIDevice", "PassthroughConfig"
+# In DRA mode the node's driver answers in a ResourceClaim's status.devices, per device.
+RESOURCE_CLAIM = "ResourceClaim"
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,10 @@ REASONS: dict[str, Reason] = {
     ),
     "BindFailed": Reason(
         "Moving the device's IOMMU group to vfio-pci (or back) failed; the message says which write and how, "
-        "and the group was rolled back.",
+        "and the group was rolled back. In DRA mode, as a claim's VFIOBindFailed, the scheduler takes the "
+        "allocation back and tries again where the device is no longer offered.",
         "Read the message and the node's kernel log; the agent tries again at its next scan.",
-        _READY, _NODE_SAYS,
+        (*_READY, f"{RESOURCE_CLAIM}/VFIOBindFailed"), _NODE_SAYS,
     ),
     "GiveBackFailed": Reason(
         "Giving the device back to its default driver failed after its unassignment.",
@@ -156,6 +159,21 @@ REASONS: dict[str, Reason] = {
         "Read the message: it names the cause, as the device's NotReady would. Free the device on the host, or "
         "leave it unassigned.",
         _READY, _NODE_SAYS,
+    ),
+    # -- DRA mode: the driver's answer in a claim's status.devices (binding conditions) ---------
+    "GroupOnVFIO": Reason(
+        "DRA mode: the driver bound the allocated device's whole IOMMU group to vfio-pci, so the scheduler may "
+        "bind the claim's pod to the node (the device's binding condition VFIOBound).",
+        "Nothing.",
+        (f"{RESOURCE_CLAIM}/VFIOBound",),
+    ),
+    "Refused": Reason(
+        "DRA mode: the driver refused the device allocated to the claim (the message says why: another server "
+        "has it, it is not handed out to the claim's namespace, adminAccess asked for); the scheduler takes the "
+        "allocation back and tries another device.",
+        "Read the message in the claim's status.devices (kubectl get resourceclaim <name> -o yaml); claim through "
+        "the namespace's DeviceClass, passthrough-<namespace>.",
+        (f"{RESOURCE_CLAIM}/VFIOBindFailed",),
     ),
     "BoundToVfio": Reason(
         "The agent bound the device's IOMMU group to vfio-pci: it is ready for a VM.",
