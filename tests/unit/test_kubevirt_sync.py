@@ -287,9 +287,9 @@ def test_a_kubevirt_cr_the_values_no_longer_name_is_let_go_of():
     after = KubeVirtView.of({**body, "metadata": {**body["metadata"], "managedFields": [
         {"manager": "passthrough-operator", "operation": "Apply", "fieldsV1": fields_v1(body)}]}})
     assert after.owned == frozenset({"featureGates"}) and release(after) is None
-    # A CR whose gates were all ours loses the list; one never ours is left alone.
+    # A CR whose gates were all ours keeps an empty list (its configuration stays an object); one never ours is left alone.
     only_ours = dataclasses.replace(old, feature_gates=("HostDevices", "VMExport"))
-    assert "spec" not in release(only_ours)
+    assert release(only_ours)["spec"] == {"configuration": {"developerConfiguration": {"featureGates": []}}}
     assert release(KubeVirtView("kubevirt", "other", "", None, None, ("Snapshot",), frozenset())) is None
 
 

@@ -113,7 +113,9 @@ def release(kubevirt: KubeVirtView, recorded_gates: Sequence[str] = ()) -> dict[
     Our allow-lists and our annotation go. The feature gates list is atomic: what stays of it is
     the live gates less ours (the annotation's, or `recorded_gates` for a CR written before the
     annotation), still under our manager (letting go of it would remove the whole list); with
-    none left, the list goes too."""
+    none left, an empty list: where spec.configuration holds nothing of anyone else's (an install
+    that ships `configuration: {}`, or KubeVirt's release CR), letting go of every field in it
+    leaves the API server writing `configuration: null`, which KubeVirt's schema refuses (422)."""
     ours = kubevirt.our_gates if kubevirt.our_gates is not None else tuple(recorded_gates)
     lists = kubevirt.owned - {"featureGates", GATES_ANNOTATION}
     others = [g for g in kubevirt.feature_gates if g not in ours]
@@ -122,7 +124,7 @@ def release(kubevirt: KubeVirtView, recorded_gates: Sequence[str] = ()) -> dict[
         return None
     body: dict[str, Any] = {"apiVersion": "kubevirt.io/v1", "kind": "KubeVirt",
                             "metadata": {"name": kubevirt.name, "namespace": kubevirt.namespace}}  # fmt: skip
-    if "featureGates" in kubevirt.owned and others:
+    if "featureGates" in kubevirt.owned:
         body["spec"] = {"configuration": {"developerConfiguration": {"featureGates": others}}}
     return body
 
@@ -233,7 +235,7 @@ def needs_apply(rendered: Rendered, live: KubeVirtView) -> bool:
         ("mediatedDevices", rendered.mediated_devices, live.mediated_devices),
         ("featureGates", rendered.feature_gates, live.feature_gates),
     ):
-        if want:
+        if want or key == "featureGates":  # the apply always holds the gates list, empty or not
             if [dict(e) if isinstance(e, Mapping) else e for e in (have or ())] != list(want):
                 return True
         elif key in live.owned:  # we wrote it once and must now let go of it

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 import time
 from typing import Any
@@ -248,6 +249,23 @@ async def wait_for_pods(api: Session, namespace: str, selector: str, timeout: fl
         await asyncio.sleep(POLL)
 
 
+def api_error_text(exc: ApiError) -> str:
+    """The API server's answer in full: its code, then what its Status says (`message`, and the
+    `details.causes` the message leaves out), which name the object and the field at fault."""
+    text = str(exc)
+    try:
+        status = json.loads(exc.body or "{}")
+    except ValueError:
+        return f"{text}: {exc.body.strip()}" if (exc.body or "").strip() else text
+    if not isinstance(status, dict):
+        return text
+    message = str(status.get("message") or "")
+    causes = ((status.get("details") or {}).get("causes") or []) if isinstance(status.get("details"), dict) else []
+    extra = [f"{c.get('field')}: {c.get('message')}" if c.get("field") else str(c.get("message"))
+             for c in causes if isinstance(c, dict) and c.get("message") and str(c.get("message")) not in message]  # fmt: skip
+    return ": ".join([text, *([message] if message else []), *(["; ".join(extra)] if extra else [])])
+
+
 def run(args: argparse.Namespace) -> int:
     return asyncio.run(_run(args))
 
@@ -270,7 +288,8 @@ async def _run(args: argparse.Namespace) -> int:
         await uninstall(api, lambda line: print(line, flush=True))
         return 0
     except ApiError as exc:
-        print(f"passthrough uninstall: {exc}", file=sys.stderr)
+        print(f"passthrough uninstall: {api_error_text(exc)}. What was done before it is listed above; once that is fixed, "
+              "run it again: it picks up where it stopped.", file=sys.stderr)  # fmt: skip
         return 1
     finally:
         await api.close()
