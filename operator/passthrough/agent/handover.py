@@ -271,7 +271,8 @@ def other_plugin(address: str, resource: str) -> BindError:
         "ServedByOtherPlugin",
         f"{address} is served by another device plugin as {resource} (NVIDIA's sandbox plugin, KubeVirt's own, SR-IOV's): "
         "one device, one server, so this agent neither binds nor serves it. Leave it to that plugin, or stop it serving "
-        "this device (for NVIDIA's plugin: --no-pool-resources here is the coexistence mode, see the README)",
+        "this device (for NVIDIA's plugin: --no-pool-resources here is the coexistence mode; the GPU pools page of the "
+        "manual, docs/tasks/gpu-pools.md, says how)",
     )
 
 
