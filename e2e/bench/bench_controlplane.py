@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import psutil  # noqa: E402
 
 from e2e import build, cluster  # noqa: E402
+from e2e.bench import table  # noqa: E402
 
 
 def cold_build() -> float:
@@ -35,6 +36,26 @@ def cold_build() -> float:
             return time.monotonic() - started
         finally:
             del os.environ["PASSTHROUGH_CACHE_DIR"], os.environ["GOCACHE"]
+
+
+# Each figure as the performance page labels it, with its goal (None: none set).
+GOALS: dict[str, str | None] = {
+    "cold build (empty binary and Go build caches, modules downloaded)": None,
+    "warm start to ready (etcd, apiserver, CRDs, controller-manager)": None,
+    "memory": None,
+}
+
+
+def page_table(cold: float | None, times: list[float], rss: dict[str, int], *, versions: str = "", **lead) -> str:
+    """The figures in the performance page's form."""
+    labels = list(GOALS)
+    memory = ", ".join(f"{name} {value / 2**20:.0f} MiB" for name, value in rss.items())
+    values = {
+        labels[0]: f"{cold:.0f} s" if cold else "unknown",
+        labels[1]: f"median {statistics.median(times):.2f} s ({min(times):.2f} to {max(times):.2f} s over {len(times)} starts)",
+        labels[2]: f"{memory}; {sum(rss.values()) / 2**20:.0f} MiB RSS in all",
+    }
+    return table.page(table.table(table.figure_rows(values, GOALS)), note=versions, **lead)
 
 
 def main() -> int:
@@ -73,6 +94,8 @@ def main() -> int:
     for name, value in rss.items():
         print(f"memory {name + ':':25} {value / 2**20:.0f} MiB RSS")
     print(f"memory total:             {sum(rss.values()) / 2**20:.0f} MiB RSS")
+    print()
+    print(page_table(cold, times, rss, versions=f"Kubernetes {build.kubernetes_version()}, etcd {build.etcd_version()}."))
     return 0
 
 

@@ -1,0 +1,106 @@
+"""Each benchmark prints its figures in the form of its section of docs/performance.md: the lead
+line (date, machine, command), the same tables with the same columns, and each figure under the
+page's label with the page's goal beside it, so a run's output is pasted into the page as is.
+No benchmark runs here: each script's table function is given figures."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "e2e" / "bench"
+PAGE = REPO / "docs" / "performance.md"
+LEAD = {"when": datetime.date(2026, 1, 2), "on": "2 CPUs (Example CPU)", "argv": ["e2e/bench/bench_x.py", "--runs", "3"]}
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from e2e.bench import table  # noqa: E402
+
+
+def bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_tables_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tables(markdown: str) -> list[list[list[str]]]:
+    """Each table's rows (header first, the separator left out) as lists of cells."""
+    found, current = [], None
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if current is None:
+                current = []
+                found.append(current)
+            if not all(re.fullmatch(r"-{3,}", cell) for cell in cells):
+                current.append(cells)
+        else:
+            current = None
+    return found
+
+
+def sections() -> dict[str, str]:
+    """Each benchmark script's section of the page, by the script's name in the section's heading."""
+    by_script = {}
+    for part in re.split(r"^## ", PAGE.read_text(), flags=re.M)[1:]:
+        heading = part.splitlines()[0]
+        for script in re.findall(r"`(bench_\w+)\.py`", heading):
+            by_script[script] = part
+    return by_script
+
+
+SECTIONS = sections()
+
+
+def page_tables(script: str) -> list[list[list[str]]]:
+    assert script in SECTIONS, f"docs/performance.md has no section naming `{script}.py`"
+    return tables(SECTIONS[script])
+
+
+def assert_page_form(script: str, printed: str, goals: dict[str, str | None]) -> None:
+    lead = printed.split("\n\n")[0]
+    assert lead.startswith("2026-01-02, 2 CPUs (Example CPU), `bench_x.py --runs 3`."), lead
+    ours, theirs = tables(printed), page_tables(script)
+    assert [t[0] for t in ours] == [t[0] for t in theirs[: len(ours)]], "the columns differ from the page's"
+    for rows in ours:
+        assert all(len(row) == len(rows[0]) for row in rows)
+    # Every figure under the page's label with the page's goal beside it.
+    page_goals = {row[0]: row[-1] for t in theirs for row in t[1:]}
+    for label, goal in goals.items():
+        assert label in page_goals, f"{script}: the page has no figure {label!r}"
+        assert page_goals[label] == table.cell(goal), f"{script}: {label!r} has goal {goal!r}, the page {page_goals[label]!r}"
+    printed_goals = {row[0]: row[-1] for t in ours for row in t[1:]}
+    assert printed_goals == {label: table.cell(goal) for label, goal in goals.items() if label in printed_goals}
+
+
+def test_the_helper_prints_the_lead_line_and_a_table_in_the_pages_form() -> None:
+    printed = table.page(table.table([("a | b", 1.5, None)]), note="Kubernetes v1.", **LEAD)
+    assert printed == (
+        "2026-01-02, 2 CPUs (Example CPU), `bench_x.py --runs 3`. Kubernetes v1.\n\n"
+        "| figure | value | goal |\n| --- | --- | --- |\n| a \\| b | 1.5 | — |"
+    )
+
+
+def test_a_figure_the_page_does_not_have_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not have"):
+        table.figure_rows({"something new": "1 s"}, {"known": None})
+
+
+def test_the_machine_names_its_cpus() -> None:
+    assert re.match(r"\d+ CPUs", table.machine())
+
+
+def test_controlplane() -> None:
+    module = bench("bench_controlplane")
+    printed = module.page_table(476.0, [3.69, 4.56, 5.33], {"etcd": 45 * 2**20, "kube-apiserver": 370 * 2**20}, **LEAD)
+    assert_page_form("bench_controlplane", printed, module.GOALS)
+    assert "| median 4.56 s (3.69 to 5.33 s over 3 starts) |" in printed
+    assert set(module.GOALS) == {row[0] for row in page_tables("bench_controlplane")[0][1:]}
