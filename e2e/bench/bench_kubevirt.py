@@ -47,6 +47,7 @@ import psutil  # noqa: E402
 from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import cluster, support  # noqa: E402
+from e2e.bench import table  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
 from passthrough.kube.cache import Mirror  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
@@ -58,6 +59,22 @@ TOUCHED = ("kubevirts", "passthroughconfigs", "events")
 # Longer than the operator's 0.2 s debounce: each write finds it idle, none rides on a pending sync.
 IDLE = 0.5
 CONFIG_WRITE = ("passthroughconfigs", "", "APPLY")  # the benchmark's own, as counted by the API server
+# Each figure as the performance page labels it, with its goal (None: none set); the page's
+# section shares its table with bench_render.py.
+GOALS: dict[str, str | None] = {
+    "config write to the KubeVirt CR showing it": None,
+    "writes per config change": "3",
+    "writes per no-op event": "0",
+    "user entries written to the CR showing them all": None,
+    "KubeVirt CR ceiling": "warned from 1 MiB",
+}
+# The figures of this run under the page's labels, printed last as its table.
+MEASURED: dict[str, str] = {}
+
+
+def page_table(measured: dict[str, str], **lead) -> str:
+    """The figures in the performance page's form."""
+    return table.page(table.table(table.figure_rows(measured, GOALS)), **lead)
 
 
 class WatchedKubeVirt:
@@ -147,6 +164,8 @@ class Bench:
         print(f"writes per config change: {sum(writes.values()) / count:g} ({describe(writes, count)}; "
               f"{count} changes, the benchmark's own config writes left out)")
         print(f"config write to CR:       p50 {p50:.0f} ms, p99 {p99:.0f} ms over {count} changes (watch arrival)")
+        MEASURED["config write to the KubeVirt CR showing it"] = f"p50 {p50:.0f} ms, p99 {p99:.0f} ms over {count} changes"
+        MEASURED["writes per config change"] = f"{sum(writes.values()) / count:g} ({describe(writes, count)})"
 
     async def noops(self, count: int) -> None:
         objects = client.CustomObjectsApi(self.api)
@@ -161,6 +180,7 @@ class Bench:
             await objects.patch_namespaced_custom_object("kubevirt.io", "v1", NAMESPACE, "kubevirts", "kubevirt", body,
                                                          _content_type=MERGE)  # fmt: skip
 
+        per_event = {}
         for what, patch, resource in (("config annotation", annotate_config, "passthroughconfigs"),
                                       ("CR label", label_kubevirt, "kubevirts")):  # fmt: skip
             before = await self.counted()
@@ -170,6 +190,9 @@ class Bench:
             writes = operator_writes(before, await self.counted(), own={(resource, "", "PATCH"): count})
             print(f"writes per no-op event:   {sum(writes.values()) / count:g} per {what} "
                   f"({describe(writes, count)}; {count} events, the patches themselves left out)")
+            per_event[what] = sum(writes.values()) / count
+        MEASURED["writes per no-op event"] = (f"{max(per_event.values()):g} ("
+                                              + ", ".join(f"{n:g} per {what}" for what, n in per_event.items()) + ")")
 
     async def large(self, entries: int, runs: int) -> None:
         times, writes = [], Counter()
@@ -184,6 +207,10 @@ class Bench:
               f"to the CR showing all {len(pci_list(shown))}")
         print(f"                          ({runs} runs, all entries new each run; CR {len(json.dumps(shown)) / 1024:.0f} KiB)")
         print(f"large config writes:      {sum(writes.values()) / runs:g} per run ({describe(writes, runs)})")
+        MEASURED["user entries written to the CR showing them all"] = (
+            f"{entries:,} entries, all {len(pci_list(shown)):,} shown in {min(times):.2f} to {max(times):.2f} s "
+            f"(CR {len(json.dumps(shown)) / 1024:.0f} KiB)"
+        )
 
 
 async def ceiling(api: client.ApiClient, count: int, step: int) -> None:
@@ -207,6 +234,8 @@ async def ceiling(api: client.ApiClient, count: int, step: int) -> None:
             stored = await kind.apply(rendered.patch, OPERATOR_MANAGER)
         except ApiError as exc:
             print(f"                          {devices} assigned devices: refused ({exc.status} {exc.message[:120]})")
+            refused = f"{devices:,} refused by the API server ({exc.status})"
+            MEASURED["KubeVirt CR ceiling"] = "; ".join(filter(None, [MEASURED.get("KubeVirt CR ceiling"), refused]))
             return
         size = len(json.dumps(stored, separators=(",", ":")).encode())
         warned = [w for w in rendered.warnings if "etcd" in w]
@@ -215,8 +244,13 @@ async def ceiling(api: client.ApiClient, count: int, step: int) -> None:
                   f"({len(rendered.pci_host_devices)} pciHostDevices entries; our apply body {rendered.size / 2**20:.2f} MiB, "
                   f"{(rendered.size - render(values, []).size) / devices:.0f} bytes per assigned device); the config "
                   f"{'warns: ' + warned[0][:160] + '...' if warned else 'does not warn'}")
+            head = (f"{size / 2**20:.2f} MiB at {devices:,} assigned devices "
+                    f"({(rendered.size - render(values, []).size) / devices:.0f} bytes each); "
+                    + ("warned" if warned else "not warned"))
+            MEASURED["KubeVirt CR ceiling"] = head
         else:
             print(f"                          {devices} assigned devices: {size / 2**20:.2f} MiB stored")
+            MEASURED["KubeVirt CR ceiling"] = f"{head}; {devices:,} fit"
         if step <= 0:
             return
         devices += step
@@ -262,6 +296,8 @@ async def bench(local: cluster.LocalCluster, log: Path, args: argparse.Namespace
         await api.close()
     problems = [line for line in operator.output().splitlines() if " WARNING " in line or " ERROR " in line or "Traceback" in line]
     print(f"operator log:             {len(problems)} warnings or errors" + "".join(f"\n    {p}" for p in problems[:10]))
+    print()
+    print(page_table(MEASURED))
 
 
 def main() -> int:

@@ -11,14 +11,38 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from passthrough.kubevirt.commands import dump
-from passthrough.kubevirt.allowlist import AssignedDevice
-from passthrough.kubevirt.mismatches import Advertised, mismatches
-from passthrough.kubevirt.render import render
-from passthrough.kubevirt.values import parse_values
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from e2e.bench import table  # noqa: E402
+
+from passthrough.kubevirt.commands import dump  # noqa: E402
+from passthrough.kubevirt.allowlist import AssignedDevice  # noqa: E402
+from passthrough.kubevirt.mismatches import Advertised, mismatches  # noqa: E402
+from passthrough.kubevirt.render import render  # noqa: E402
+from passthrough.kubevirt.values import parse_values  # noqa: E402
+
+
+# Each figure as the performance page labels it, with its goal (None: none set); the page's
+# section shares its table with bench_kubevirt.py.
+GOALS: dict[str, str | None] = {
+    "render the allow-list": "50 ms",
+    "values parse and render": None,
+}
+
+
+def page_table(entries: int, timings: dict[str, tuple[float, float]], **lead) -> str:
+    """The figures in the performance page's form: `timings` is each step's p50 and p99 in ms."""
+    render_p50, render_p99 = timings["render"]
+    measured = {
+        "render the allow-list": f"p50 {render_p50:.2f} ms, p99 {render_p99:.2f} ms ({entries:,} entries)",
+        "values parse and render": f"p50 {timings['parse_values + render'][0]:.2f} ms",
+    }
+    return table.page(table.table(table.figure_rows(measured, GOALS)), **lead)
 
 
 def values(entries: int) -> dict:
@@ -66,9 +90,13 @@ def main() -> None:
     print(f"pciHostDevices: {len(rendered.pci_host_devices)} rendered "
           f"({args.entries} from values, {args.assigned} assigned, the rest the default table); {args.runs} runs")
     print(f"{'step':<28}{'p50 ms':>10}{'p99 ms':>10}")
+    timings = {}
     for name, step in steps.items():
         p50, p99 = timed(args.runs, step)
+        timings[name] = (p50, p99)
         print(f"{name:<28}{p50:>10.2f}{p99:>10.2f}")
+    print()
+    print(page_table(len(rendered.pci_host_devices), timings))
 
 
 if __name__ == "__main__":

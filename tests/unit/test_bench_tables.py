@@ -104,3 +104,21 @@ def test_controlplane() -> None:
     assert_page_form("bench_controlplane", printed, module.GOALS)
     assert "| median 4.56 s (3.69 to 5.33 s over 3 starts) |" in printed
     assert set(module.GOALS) == {row[0] for row in page_tables("bench_controlplane")[0][1:]}
+
+
+def test_kubevirt() -> None:
+    module = bench("bench_kubevirt")
+    measured = {
+        "config write to the KubeVirt CR showing it": "p50 217 ms, p99 223 ms over 50 changes",
+        "writes per config change": "3 (KubeVirt CR APPLY 1, config/status APPLY 1, events POST 1)",
+        "KubeVirt CR ceiling": "1.37 MiB at 10,000 assigned devices (143 bytes each); warned; 10,500 fit",
+    }
+    assert_page_form("bench_kubevirt", module.page_table(measured, **LEAD), module.GOALS)
+
+
+def test_render() -> None:
+    module = bench("bench_render")
+    printed = module.page_table(2219, {"render": (5.78, 23.14), "parse_values + render": (18.46, 20.0)}, **LEAD)
+    assert_page_form("bench_render", printed, module.GOALS)
+    assert "| render the allow-list | p50 5.78 ms, p99 23.14 ms (2,219 entries) | 50 ms |" in printed
+
