@@ -41,6 +41,7 @@ import psutil  # noqa: E402
 from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import chart, cluster, support  # noqa: E402
+from e2e.bench import table  # noqa: E402
 from e2e.processes import OperatorProcess, WebhookServing  # noqa: E402
 from passthrough.kube.connect import connect  # noqa: E402
 from passthrough.kube.custom import Custom  # noqa: E402
@@ -112,6 +113,22 @@ async def direct(serving: WebhookServing, devices: list[str], count: int) -> lis
     return samples
 
 
+# Each figure as the performance page labels it, with its goal (None: none set).
+GOALS: dict[str, str | None] = {
+    f"VM create with {DEVICES} devices (client to API server and back, webhook called)": None,
+    "VM create with no device (not sent to the webhook)": None,
+    "the webhook alone (AdmissionReviews POSTed straight to the operator)": None,
+    "operator RSS, webhook on": None,
+}
+# The figures of this run under the page's labels, printed last as its table.
+MEASURED: dict[str, str] = {}
+
+
+def page_table(measured: dict[str, str], **lead) -> str:
+    """The figures in the performance page's form."""
+    return table.figures_page(measured, GOALS, **lead)
+
+
 def rss(operator: OperatorProcess) -> tuple[float, float]:
     pid = operator.proc.pid
     status = Path(f"/proc/{pid}/status").read_text()
@@ -152,16 +169,21 @@ async def bench(local: cluster.LocalCluster, tmp: Path, args: argparse.Namespace
         p50, p99 = support.p50_p99(with_devices)
         print(f"VM create, {DEVICES} devices:     p50 {p50:.1f} ms, p99 {p99:.1f} ms over {args.creates} dry-run creates "
               "(client to API server and back, webhook called)")  # fmt: skip
+        labels = list(GOALS)
+        MEASURED[labels[0]] = f"p50 {p50:.1f} ms, p99 {p99:.1f} ms over {args.creates} dry-run creates"
         p50, p99 = support.p50_p99(without)
         print(f"VM create, no device:     p50 {p50:.1f} ms, p99 {p99:.1f} ms over {args.creates} (not sent to the webhook)")
+        MEASURED[labels[1]] = f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
         calls = calls_after - calls_before
         print(f"API server's account:     {calls} webhook calls, mean {(spent_after - spent_before) / max(calls, 1) * 1000:.1f} ms each "
               "(apiserver_admission_webhook_admission_duration_seconds)")  # fmt: skip
         p50, p99 = support.p50_p99(await direct(serving, devices, args.creates))
         print(f"webhook alone:            p50 {p50:.1f} ms, p99 {p99:.1f} ms over {args.creates} AdmissionReviews POSTed "
               "straight to the operator (one kept-alive TLS connection)")  # fmt: skip
+        MEASURED[labels[2]] = f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
         now, peak = rss(operator)
         print(f"operator RSS, webhook on: {now:.0f} MiB (VmHWM {peak:.0f} MiB) after all of the above")
+        MEASURED[labels[3]] = f"{now:.0f} MiB"
     finally:
         operator.stop()
         local.kubectl("delete", "validatingwebhookconfigurations", "-l", "app.kubernetes.io/name=passthrough", check=False)
@@ -177,6 +199,8 @@ async def bench(local: cluster.LocalCluster, tmp: Path, args: argparse.Namespace
         plain.stop()
         await api.close()
     print(f"operator log:             {len(problems)} warnings or errors" + "".join(f"\n    {p}" for p in problems[:10]))
+    print()
+    print(page_table(MEASURED))
 
 
 def main() -> int:

@@ -42,6 +42,7 @@ import psutil  # noqa: E402
 from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import cluster, fakesysfs, kubelet, support  # noqa: E402
+from e2e.bench import table  # noqa: E402
 from e2e.bench.bench_device_plugin import PluginStream, appears  # noqa: E402
 from e2e.fakekernel import FakeKernel  # noqa: E402
 from e2e.processes import AgentProcess, OperatorProcess  # noqa: E402
@@ -65,6 +66,25 @@ def rss(agent: AgentProcess) -> str:
     peak = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                 if line.startswith("VmHWM:")) / 1024  # fmt: skip
     return f"{memory.rss / 2**20:.1f} MiB (peak {peak:.1f} MiB; USS {memory.uss / 2**20:.1f} MiB, PSS {memory.pss / 2**20:.1f} MiB)"
+
+
+# Each figure as the performance page labels it, with its goal (None: none set).
+GOALS: dict[str, str | None] = {
+    "unassigned, pod deleted, to back in the pool (ListAndWatch)": None,
+    "to `status.holders` empty": None,
+    "agent RSS with plugins and a live kubelet": "— (50 MiB is the goal of `bench_agent`'s line, without a kubelet)",
+}
+
+
+def page_table(to_pool: list[float], to_status: list[float], rss_mib: float, uss_mib: float, **lead) -> str:
+    """The figures in the performance page's form."""
+    labels = list(GOALS)
+    measured = {
+        labels[0]: spread(to_pool).replace(f"(n={len(to_pool)})", f"({len(to_pool)} rounds)"),
+        labels[1]: spread(to_status).replace(f" (n={len(to_status)})", ""),
+        labels[2]: f"{rss_mib:.1f} MiB (USS {uss_mib:.1f} MiB)",
+    }
+    return table.figures_page(measured, GOALS, **lead)
 
 
 def spread(samples: list[float]) -> str:
@@ -91,6 +111,7 @@ async def bench(local, root: Path, trials: int) -> None:
             names = await support.device_names(api, node.node_name)
             await asyncio.sleep(SETTLE)
             print(f"agent RSS with plugins:   {rss(agent)}, pool of 2 GPUs served to the real kubelet")
+            memory = psutil.Process(agent.proc.pid).memory_full_info()
 
             pool = PluginStream(live_socket(node.device_plugin_dir, POOL))
             reader = asyncio.create_task(pool.run())
@@ -119,6 +140,8 @@ async def bench(local, root: Path, trials: int) -> None:
             print(f"unassigned, pod deleted, to back in the pool (plugin's ListAndWatch): {spread(to_pool)}")
             print(f"                         to status.holders empty:                   {spread(to_status)}")
             print(f"agent RSS after the trials: {rss(agent)}")
+            print()
+            print(page_table(to_pool, to_status, memory.rss / 2**20, memory.uss / 2**20))
             reader.cancel()
     finally:
         if agent is not None:

@@ -75,3 +75,8 @@ def page(
     when = when or datetime.datetime.now(datetime.timezone.utc).date()
     lead = f"{when.isoformat()}, {on or machine()}, `{command(argv)}`." + (f" {note}" if note else "")
     return "\n\n".join([lead, *tables])
+
+
+def figures_page(measured: dict[str, object], goals: dict[str, str | None], **lead) -> str:
+    """One table of figures (label, value, goal) under its lead line: the form of most sections."""
+    return page(table(figure_rows(measured, goals)), **lead)

@@ -122,3 +122,17 @@ def test_render() -> None:
     assert_page_form("bench_render", printed, module.GOALS)
     assert "| render the allow-list | p50 5.78 ms, p99 23.14 ms (2,219 entries) | 50 ms |" in printed
 
+
+
+def test_admission() -> None:
+    module = bench("bench_admission")
+    measured = dict.fromkeys(module.GOALS, "p50 3.3 ms, p99 19.2 ms")
+    assert_page_form("bench_admission", module.page_table(measured, **LEAD), module.GOALS)
+
+
+def test_holders() -> None:
+    module = bench("bench_holders")
+    printed = module.page_table([0.07] * 9 + [0.08], [0.08] * 9 + [0.11], 54.1, 33.3, **LEAD)
+    assert_page_form("bench_holders", printed, module.GOALS)
+    assert "| p50 0.07 s, p90 0.08 s, max 0.08 s (10 rounds) |" in printed
+    assert "| 54.1 MiB (USS 33.3 MiB) |" in printed
