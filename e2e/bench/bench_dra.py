@@ -68,6 +68,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import chart, cluster, fakesysfs, kubelet, support  # noqa: E402
+from e2e.bench import table  # noqa: E402
 from e2e.bench.bench_device_plugin import Node as DevicePluginNode  # noqa: E402
 from e2e.bench.bench_device_plugin import gpu_host, wall  # noqa: E402
 from e2e.devcluster import DRA_CHART  # noqa: E402
@@ -93,11 +94,29 @@ DEVICE_CLASS = f"passthrough-{NAMESPACE}"  # the operator's class for the namesp
 NODE = "bench-dra"
 TIMEOUT = 60.0
 
+# Each figure as the performance page labels it, with its goal (None: none set).
+GOALS: dict[str, str | None] = {
+    "device plugin: pod to CreateContainer with its env and `/dev/vfio`": None,
+    "DRA: claim and pod to CreateContainer with its CDI devices": None,
+    "at rest, rescans every second": "0",
+    "slice size": None,
+    "largest fixture node, every device handed out": None,
+}
+# The figures of this run under the page's labels, printed last as its table.
+MEASURED: dict[str, str] = {}
 
-def print_latency(what: str, samples: list[float], unit: str, meaning: str) -> None:
+
+def page_table(measured: dict[str, str], **lead) -> str:
+    """The figures in the performance page's form."""
+    return table.figures_page(measured, GOALS, **lead)
+
+
+def print_latency(what: str, samples: list[float], unit: str, meaning: str) -> str:
     """p50, p90 and the slowest: with a few dozen samples a p99 is the slowest one anyway."""
     p50, p90 = (statistics.quantiles(samples, n=10, method="inclusive")[i] * 1000 for i in (4, 8))
-    print(f"{what:<26}p50 {p50:.0f} ms, p90 {p90:.0f} ms, max {max(samples) * 1000:.0f} ms over {len(samples)} {unit} ({meaning})")
+    figure = f"p50 {p50:.0f} ms, p90 {p90:.0f} ms, max {max(samples) * 1000:.0f} ms"
+    print(f"{what:<26}{figure} over {len(samples)} {unit} ({meaning})")
+    return figure
 
 
 def compact(obj: dict) -> int:
@@ -256,13 +275,15 @@ async def bench_at_rest(bench: Bench, seconds: int) -> None:
     devices = support.writes_between(before, after, "nodepcidevices")
     print(f"{f'at rest, {seconds} s:':<26}{slices} ResourceSlice writes, {devices} NodePCIDevice writes over {passes} "
           f"DRA passes (the agent's debug log); resourceVersion {'unchanged' if now == version else f'{version} -> {now}'}")
+    MEASURED["at rest, rescans every second"] = f"{slices} ResourceSlice writes, {devices} NodePCIDevice writes in {seconds} s"
 
 
-def print_slice_size(what: str, obj: dict) -> None:
+def print_slice_size(what: str, obj: dict) -> int:
     devices = len(obj["spec"].get("devices") or [])
     whole, bare = compact(obj), compact(without_managed_fields(obj))
     print(f"{what:<26}{whole:,} bytes, {bare:,} without managedFields, {devices} devices "
           f"({bare / max(devices, 1):.0f} bytes a device)")
+    return bare
 
 
 # --- The largest fixture node ----------------------------------------------------------------
@@ -282,6 +303,7 @@ async def bench_large_slice(api, root: Path, functions: int) -> None:
     print(f"largest fixture node:     {len(devices)} functions (synthetic_host {functions}), {eligible} eligible, "
           f"{len(published)} published when all are handed out")
     bodies = dra_slice.pool_bodies(node_name, uid, dra_slice.specs(node_name, published), [None])
+    stored, refused = [], 0
     for index, body in enumerate(bodies):
         label = f"  slice {index + 1} of {len(bodies)}:"
         path = f"{RESOURCE}/resourceslices/{body['metadata']['name']}"
@@ -291,10 +313,16 @@ async def bench_large_slice(api, root: Path, functions: int) -> None:
         except ApiError as exc:
             print(f"{label:<26}{compact(body):,} bytes as applied, {len(body['spec']['devices'])} devices: refused by the "
                   f"API server ({exc.status}: {exc.message[:300] or exc})")  # fmt: skip
+            refused += 1
             continue
         print_slice_size(label, written)
+        stored.append(len(written["spec"].get("devices") or []))
         await session.request("DELETE", path)
     await support.remove_node(api, node_name)
+    MEASURED["largest fixture node, every device handed out"] = (
+        f"{len(published)} devices: {len(bodies)} slices of one pool ({' and '.join(str(n) for n in stored)} devices)"
+        + (f"; {refused} refused" if refused else "")
+    )
 
 
 # --- The run ----------------------------------------------------------------------------------
@@ -322,13 +350,16 @@ async def bench(local, root: Path, args) -> None:
             await registered(node)
             await class_made(node)
             dra, answered = await bench_claims(node, args.rounds)
-            print_latency("device plugin:", dp, "pods", "pod with passthrough.io/<name> to CreateContainer with its env and /dev/vfio")
-            print_latency("DRA:", dra, "claims", "claim + pod to CreateContainer with its CDI devices")
+            labels = list(GOALS)
+            MEASURED[labels[0]] = print_latency("device plugin:", dp, "pods",
+                                                "pod with passthrough.io/<name> to CreateContainer with its env and /dev/vfio")
+            MEASURED[labels[1]] = print_latency("DRA:", dra, "claims", "claim + pod to CreateContainer with its CDI devices")
             print(f"{'DRA, binding condition:':<26}{answered} of {len(dra)} claims allocated with {BOUND} and answered it "
                   "before their pod was bound")  # fmt: skip
             await bench_at_rest(node, args.rescans)
             live = await node.live_slice() or live
-            print_slice_size(f"slice, {args.gpus} GPUs:", live)
+            bare = print_slice_size(f"slice, {args.gpus} GPUs:", live)
+            MEASURED["slice size"] = f"{bare / args.gpus:.0f} bytes a device ({args.gpus} GPUs: {bare:,} bytes)"
         await bench_large_slice(api, root, args.large_devices)
     finally:
         if node:
@@ -343,6 +374,8 @@ async def bench(local, root: Path, args) -> None:
         await api.close()
     problems = node.problems() if node else []
     print(f"agent logs:               {len(problems)} warnings or errors" + "".join(f"\n    {p}" for p in problems[:10]))
+    print()
+    print(page_table(MEASURED))
 
 
 def main() -> int:
