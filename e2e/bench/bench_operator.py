@@ -51,6 +51,7 @@ from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import cluster as local  # noqa: E402
 from e2e import support  # noqa: E402
+from e2e.bench import table  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
 from passthrough.agent import report  # noqa: E402
 from passthrough.api import views  # noqa: E402
@@ -83,6 +84,28 @@ def cpu_seconds(pid: int) -> float:
 
 def spread(ratios: list[float]) -> str:
     return f"{min(ratios):.2f}x to {max(ratios):.2f}x"
+
+
+# Each figure as the performance page labels it, with its goal (None: none set). The burst
+# against the plain client at the same moment is the figure; its floor ratio is context.
+GOALS: dict[str, str | None] = {
+    "start-up (launch to every device's initial conditions written)": "60 s",
+    "floor of the start-up (the same writes by a plain client at full concurrency)": None,
+    "one assignment at a time": None,
+    "**burst of assignments at once, to quiet, against a plain client making the admin's and the operator's writes "
+    "at the same moment**": None,
+    "the same burst against the floor (the operator's writes and Events alone, by a plain client)": "1.5x",
+    "idle: writes with nothing to do": "0",
+    "memory": "150 MiB",
+    "restart": "0 writes",
+}
+# The figures of this run under the page's labels, printed last as its table.
+MEASURED: dict[str, str] = {}
+
+
+def page_table(measured: dict[str, str], **lead) -> str:
+    """The figures in the performance page's form."""
+    return table.figures_page(measured, GOALS, **lead)
 
 
 class CPU:
@@ -420,6 +443,8 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
     events_seen = EventsSeen(api)
     sizes = sorted(args.sizes)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
+    load = f"Load average {os.getloadavg()[0]:.1f} at the start."
+    labels = list(GOALS)
     rows = []
     operator = None
     try:
@@ -448,6 +473,9 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
             if size != sizes[-1]:
                 operator.stop()
         biggest = sizes[-1]
+        size, took, floor, writes, cpu, _ = rows[-1]
+        MEASURED[labels[0]] = f"{took:.1f} s over {size:,} devices; {writes:,} writes; operator CPU {cpu:.1f} s"
+        MEASURED[labels[1]] = f"{floor:.1f} s"
 
         # One at a time.
         free = iter(fleet.names)
@@ -466,6 +494,9 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         print(f"sequential at {biggest} devices: {len(sequential)} assignments one at a time: latency p50 {p50 * 1000:.0f} ms, "
               f"p99 {p99 * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms; {writes / len(sequential):.2f} writes per "
               f"assignment (PCIDevice create + status, NodePCIDevice status), plus {events / len(sequential):.2f} Events")
+        MEASURED[labels[2]] = (f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms over "
+                               f"{len(sequential)} at {biggest:,} devices; {writes / len(sequential):.2f} writes and "
+                               f"{events / len(sequential):.2f} Events each")
 
         # Bursts, each beside its floor (the ratio varies from one to the next on a busy 2-core
         # machine: the median and the spread are reported).
@@ -490,6 +521,9 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
               f"{statistics.median(cpu_ratios):.2f}x, {spread(cpu_ratios)}")
         print(f"burst against the admin's and the floor's writes at once by a plain client, over {len(once_ratios)} bursts: median "
               f"{once_ratio:.2f}x, {spread(once_ratios)}")
+        MEASURED[labels[3]] = (f"**median {once_ratio:.2f}x** ({', '.join(f'{r:.2f}x' for r in once_ratios)} over "
+                               f"{len(once_ratios)} bursts of {args.burst})")
+        MEASURED[labels[4]] = f"median {ratio:.2f}x ({spread(ratios)}); in CPU {statistics.median(cpu_ratios):.2f}x"
 
         # Up to `--assigned` PCIDevices, then the memory they cost.
         more = [next(free) for _ in range(max(0, args.assigned - len(sequential) - len(bursts)))]
@@ -507,8 +541,10 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         after = await support.write_counts(api)
         idle_writes = support.writes_between(before, after, *OURS, "events", "passthroughconfigs", "kubevirts")
         print(f"idle: writes during {args.idle:.0f}s with nothing to do: {idle_writes}")
+        MEASURED[labels[5]] = f"{idle_writes} in {args.idle:.0f} s"
         memory = peak_rss_mib(operator.proc.pid)
         print(f"memory: operator peak RSS {memory:.0f} MiB (VmHWM) with {biggest} NodePCIDevices and {len(assigned)} PCIDevices")
+        MEASURED[labels[6]] = f"{memory:.0f} MiB peak RSS with {biggest:,} NodePCIDevices and {len(assigned):,} PCIDevices"
         operator.stop()
 
         # A restart over all of it.
@@ -519,6 +555,8 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
         restart_writes = support.writes_between(before, await support.write_counts(api), *OURS, "events")
         print(f"restart over {biggest} devices ({len(assigned)} assigned), conditions already holding: {restart_writes} writes, "
               f"work queue empty {ready:.1f}s after launch, peak RSS {peak_rss_mib(operator.proc.pid):.0f} MiB")
+        MEASURED[labels[7]] = (f"{restart_writes} writes; work queue empty {ready:.1f} s after launch "
+                               f"({biggest:,} devices, {len(assigned):,} assigned)")
 
         print(f"\nsummary ({os.cpu_count()} cores)")
         print(f"{'devices':>10} {'start-up':>10} {'floor':>8} {'ratio':>6} {'writes':>7} {'CPU':>7} {'peak RSS':>9}")
@@ -533,6 +571,8 @@ async def run(args, cluster: local.LocalCluster, workdir: Path) -> None:
               f"{args.burst} assignments; against the same writes and the admin's at once by a plain client: median "
               f"{once_ratio:.2f}x")
         print(f"restart: {restart_writes} writes, queue empty after {ready:.1f}s")
+        print()
+        print(page_table(MEASURED, note=load))
     finally:
         if operator is not None:
             operator.stop()

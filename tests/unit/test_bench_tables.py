@@ -27,6 +27,7 @@ from e2e.bench import table  # noqa: E402
 def bench(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_tables_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -166,3 +167,12 @@ def test_fleet() -> None:
     printed = module.page_table(measured, **LEAD)
     assert_page_form("bench_fleet", printed, module.GOALS)
     assert printed.index("first report") < printed.index("failed scans") < printed.index("restart of all agents")
+
+
+def test_operator() -> None:
+    module = bench("bench_operator")
+    burst = next(label for label in module.GOALS if label.startswith("**burst"))
+    measured = {burst: "**median 1.10x** (0.96x, 1.10x, 1.24x over 3 bursts of 500)", "memory": "108 MiB peak RSS"}
+    printed = module.page_table(measured, note="Load average 0.9 at the start.", **LEAD)
+    assert_page_form("bench_operator", printed, module.GOALS)
+    assert printed.splitlines()[0].endswith("`. Load average 0.9 at the start.")
