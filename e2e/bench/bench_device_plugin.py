@@ -87,6 +87,7 @@ from kubernetes_asyncio import client, watch  # noqa: E402
 from kubernetes_asyncio.client.exceptions import ApiException  # noqa: E402
 
 from e2e import cluster, fakesysfs, kubelet, support  # noqa: E402
+from e2e.bench import table  # noqa: E402
 from e2e.fakekernel import FakeKernel  # noqa: E402
 from e2e.processes import AgentProcess, OperatorProcess  # noqa: E402
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api_pb  # noqa: E402
@@ -127,6 +128,30 @@ def gpu_host(root: Path, gpus: int) -> tuple[fakesysfs.FakeHost, dict[str, int]]
         groups[f"0000:{bus}:00.0"] = group
     return host, groups
 
+# Each figure as the performance page labels it, with its goal (None: none set).
+GOALS: dict[str, str | None] = {
+    "bind to vfio-pci (A10 + audio)": None,
+    "give back": None,
+    "GPU mode on: label to the pool in allocatable": None,
+    "`Allocate` over gRPC": None,
+    "pod to CreateContainer (scheduler, kubelet, `Allocate`)": None,
+    "assign, agent side (spec write to the exclusive plugin's socket up)": None,
+    "assign to allocatable": None,
+    "unassign, agent side (spec write to the socket gone)": None,
+    "unassign to allocatable (the pool back at its size)": None,
+    "`/dev/vfio/<group>` removed to the device Unhealthy in ListAndWatch": None,
+    "kubelet restart": None,
+    "agent restart to all its resources in allocatable": None,
+    "agent RSS": "under 80 MiB",
+}
+# The figures of this run under the page's labels, printed last as its table.
+MEASURED: dict[str, str] = {}
+
+
+def page_table(measured: dict[str, str], **lead) -> str:
+    """The figures in the performance page's form."""
+    return table.figures_page(measured, GOALS, **lead)
+
 
 # --- Figure: bind and give back -------------------------------------------------------------
 
@@ -145,10 +170,12 @@ def bench_bind(root: Path, rounds: int) -> None:
             releases.append(time.perf_counter() - started)
         errors = list(kernel.errors)
     drivers = {a: host.driver(a) for a in members}
-    for what, samples, count in (("bind to vfio-pci:", binds, writes[0]), ("give back:", releases, writes[1])):
+    for what, samples, count, label in (("bind to vfio-pci:", binds, writes[0], "bind to vfio-pci (A10 + audio)"),
+                                        ("give back:", releases, writes[1], "give back")):  # fmt: skip
         p50, p99 = support.p50_p99([s * 1000 for s in samples])
         print(f"{what:<26}p50 {p50:.1f} ms, p99 {p99:.1f} ms over {rounds} rounds "
               f"(A10 + audio, {count / rounds:g} sysfs writes; simulated kernel, not a real driver's unbind)")
+        MEASURED[label] = f"p50 {p50:.1f} ms, p99 {p99:.1f} ms over {rounds} ({count / rounds:g} sysfs writes)"
     if errors or drivers != {"0000:3b:00.0": "nvidia", "0000:3b:00.1": "snd_hda_intel"}:
         print(f"                          after the last give-back: {drivers}; simulated kernel errors: {errors[:5]}")
 
@@ -377,6 +404,7 @@ async def gpu_mode_on(node: Node) -> None:
     where = "in allocatable" if node.kubelet else "registered"
     print(f"GPU mode on:              {arrived - started:.2f} s from the label to the pool of {node.gpus} {where} "
           f"({node.gpus} groups bound, 1 sample)")
+    MEASURED["GPU mode on: label to the pool in allocatable"] = f"{arrived - started:.2f} s (pool of {node.gpus}{'' if node.kubelet else ', registered'})"
 
 
 async def bench_allocate(node: Node, calls: int) -> None:
@@ -398,6 +426,7 @@ async def bench_allocate(node: Node, calls: int) -> None:
     p50, p99 = support.p50_p99([s * 1000 for s in samples[1:]])
     print(f"Allocate over gRPC:       p50 {p50:.2f} ms, p99 {p99:.2f} ms over {calls} calls "
           f"(pool of {len(ids)}, one device a call, {devices} device nodes back)")
+    MEASURED["`Allocate` over gRPC"] = f"p50 {p50:.2f} ms, p99 {p99:.2f} ms over {calls}"
 
 
 def wall(stamp: str) -> float:
@@ -423,6 +452,7 @@ async def bench_pods(node: Node, count: int) -> None:
     p50, p99 = support.p50_p99([s * 1000 for s in samples])
     print(f"pod to CreateContainer:   p50 {p50:.0f} ms, p99 {p99:.0f} ms over {count} pods "
           f"(scheduler, kubelet, our Allocate; one pool GPU each, one at a time)")
+    MEASURED["pod to CreateContainer (scheduler, kubelet, `Allocate`)"] = f"p50 {p50:.0f} ms, p99 {p99:.0f} ms over {count}"
 
 
 async def phase() -> None:
@@ -431,10 +461,12 @@ async def phase() -> None:
     await asyncio.sleep(random.uniform(0, STATUS_PERIOD))
 
 
-def print_samples(what: str, samples: list[float], unit: str, tail: str = "", spread: str = "p99") -> None:
+def print_samples(what: str, samples: list[float], unit: str, tail: str = "", spread: str = "p99") -> str:
     p50, p99 = support.p50_p99([s * 1000 for s in samples])
     top = p99 if spread == "p99" else max(samples) * 1000
-    print(f"{what:<26}p50 {p50:.0f} ms, {spread} {top:.0f} ms over {len(samples)} {unit}{tail}")
+    figure = f"p50 {p50:.0f} ms, {spread} {top:.0f} ms over {len(samples)}"
+    print(f"{what:<26}{figure} {unit}{tail}")
+    return figure
 
 
 async def bench_assign(node: Node, pool: PluginStream, cycles: int) -> None:
@@ -462,13 +494,17 @@ async def bench_assign(node: Node, pool: PluginStream, cycles: int) -> None:
         down.append(await seen - started)
         back.append(await until(lambda a: int(a.get(POOL, "0")) == n, started, what=f"pool of {n}") - started)
         gone.append(await until(lambda a: a.get(resource, "0") == "0", started, what=f"{resource} at 0") - started)
-    print_samples("assign, agent side:", up, "cycles", " (spec write to the exclusive plugin's socket up)")
+    MEASURED["assign, agent side (spec write to the exclusive plugin's socket up)"] = print_samples(
+        "assign, agent side:", up, "cycles", " (spec write to the exclusive plugin's socket up)")
     print_samples("", listed, "cycles", f" (to the pool plugin listing {n - 1})")
-    print_samples("assign to allocatable:", assigned, "cycles", f" ({resource.split('/')[0]}/<name> = 1)")
+    MEASURED["assign to allocatable"] = print_samples(
+        "assign to allocatable:", assigned, "cycles", f" ({resource.split('/')[0]}/<name> = 1)")
     print_samples("", pool_down, "cycles", f" (pool at {n - 1})")
-    print_samples("unassign, agent side:", down, "cycles", " (spec write to the exclusive plugin's socket gone)")
+    MEASURED["unassign, agent side (spec write to the socket gone)"] = print_samples(
+        "unassign, agent side:", down, "cycles", " (spec write to the exclusive plugin's socket gone)")
     print_samples("", relisted, "cycles", f" (to the pool plugin listing {n})")
-    print_samples("unassign to allocatable:", back, "cycles", f" (pool back at {n})")
+    MEASURED["unassign to allocatable (the pool back at its size)"] = (
+        print_samples("unassign to allocatable:", back, "cycles", f" (pool back at {n})") + f" (pool back at {n})")
     print_samples("", gone, "cycles", " (exclusive at 0)")
 
 
@@ -490,8 +526,8 @@ async def bench_vanish(node: Node, pool: PluginStream, trials: int) -> None:
         finally:
             vfio_node.touch()
     await node.watch.until(lambda a: int(a.get(POOL, "0")) == n, what=f"pool of {n}")
-    print_samples("/dev/vfio/<group> gone:", unhealthy, "trials", " (unlink to the pool plugin listing it Unhealthy)",
-                  spread="max")  # fmt: skip
+    MEASURED["`/dev/vfio/<group>` removed to the device Unhealthy in ListAndWatch"] = print_samples(
+        "/dev/vfio/<group> gone:", unhealthy, "trials", " (unlink to the pool plugin listing it Unhealthy)", spread="max")
     print_samples("", dropped, "trials", " (unlink to the pool down by one in allocatable)", spread="max")
 
 
@@ -509,10 +545,13 @@ async def bench_restart(node: Node, trials: int) -> None:
             dropped = await node.watch.until(lambda a: int(a.get(POOL, "0")) != n, started, timeout=10)
         if dropped is None:
             print(f"kubelet restart:          Ready again in {ready:.2f} s; the pool never left allocatable")
+            MEASURED["kubelet restart"] = f"Ready again in {ready:.2f} s; the pool never left allocatable"
         else:
             back = await node.watch.until(lambda a: int(a.get(POOL, "0")) == n, dropped, what=f"pool of {n} after the restart")
             print(f"kubelet restart:          {back - started:.2f} s to the pool of {n} back in allocatable "
                   f"(left at +{dropped - started:.2f} s; kubelet Ready at +{ready:.2f} s)")
+            MEASURED["kubelet restart"] = (f"Ready again in {ready:.2f} s; the pool left allocatable at +{dropped - started:.2f} s "
+                                           f"and was back at +{back - started:.2f} s")
 
 
 async def bench_rss(node: Node, assigned_count: int) -> None:
@@ -542,6 +581,9 @@ async def bench_rss(node: Node, assigned_count: int) -> None:
     print(f"agent restart:            {arrived - started:.2f} s from a fresh agent's start to all {plugins} resources {where}")
     print(f"agent RSS:                {rss:.0f} MiB (VmHWM {hwm:.0f} MiB) with {devices} devices, {plugins} plugins "
           f"(fresh agent, {SETTLE:g} s after; goal under 80 MiB)")
+    MEASURED["agent restart to all its resources in allocatable"] = (
+        f"{arrived - started:.2f} s ({plugins} resources{'' if node.kubelet else ', registered'})")
+    MEASURED["agent RSS"] = f"{rss:.0f} MiB ({devices} devices, {plugins} plugins)"
 
 
 async def bench(local: cluster.LocalCluster, root: Path, args: argparse.Namespace) -> None:
@@ -599,6 +641,8 @@ async def bench(local: cluster.LocalCluster, root: Path, args: argparse.Namespac
         await api.close()
     problems = node.problems() if node else []
     print(f"agent log:                {len(problems)} warnings or errors" + "".join(f"\n    {p}" for p in problems[:10]))
+    print()
+    print(page_table(MEASURED))
 
 
 def main() -> int:

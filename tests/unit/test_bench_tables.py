@@ -176,3 +176,11 @@ def test_operator() -> None:
     printed = module.page_table(measured, note="Load average 0.9 at the start.", **LEAD)
     assert_page_form("bench_operator", printed, module.GOALS)
     assert printed.splitlines()[0].endswith("`. Load average 0.9 at the start.")
+
+
+def test_device_plugin() -> None:
+    module = bench("bench_device_plugin")
+    measured = {"agent RSS": "54 MiB (8 devices, 4 plugins)", "`Allocate` over gRPC": "p50 1.18 ms, p99 6.07 ms over 500"}
+    printed = module.page_table(measured, **LEAD)
+    assert_page_form("bench_device_plugin", printed, module.GOALS)
+    assert "| `Allocate` over gRPC | p50 1.18 ms, p99 6.07 ms over 500 | — |" in printed
