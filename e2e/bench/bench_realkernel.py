@@ -35,12 +35,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from e2e import cluster as local  # noqa: E402
+from e2e.bench import table  # noqa: E402
 from e2e.guest.kernel import DEFAULT_SERIES, SERIES, kernel  # noqa: E402
 from e2e.guest.machine import TOPOLOGY, address, boot  # noqa: E402
 from e2e.guest.node import GuestNode, PluginWatch, assign, condition, guest_clock, wait, wait_drivers  # noqa: E402
 from e2e.processes import OperatorProcess  # noqa: E402
 
 SHAPES = ("nic", "edu", "gpu", "dualnic")  # slot names of e2e/guest/machine.py's TOPOLOGY
+
+# The page's two tables: each group shape's bind and give-back, then the other figures, each
+# as the page labels it, with its goal (None: none set).
+SHAPE_COLUMNS = ("device", "bind to vfio-pci", "give back to its driver", "goal")
+GOALS: dict[str, str | None] = {
+    "boot to the command server": None,
+    "kubelet Ready in the guest": None,
+    "agent start to first report": None,
+    "AER error injected to Unhealthy in ListAndWatch": None,
+    "surprise removal (`device_del`) to Unhealthy": None,
+}
+
+
+def page_table(shapes: dict[str, tuple[list[float], list[float]]], measured: dict[str, str], note: str = "", **lead) -> str:
+    """The figures in the performance page's form: `shapes` is each group shape's bind and give-back seconds."""
+
+    def spread(samples: list[float]) -> str:
+        return f"p50 {statistics.median(samples):.2f} s, max {max(samples):.2f} s"
+
+    shape_rows = [(shape, spread(binds), spread(gives), None) for shape, (binds, gives) in shapes.items()]
+    return table.page(table.table(shape_rows, SHAPE_COLUMNS), table.table(table.figure_rows(measured, GOALS)),
+                      note=note, **lead)  # fmt: skip
 
 
 def _assign(node: GuestNode, name: str, namespace: str) -> None:
@@ -107,16 +130,20 @@ def main() -> int:
             guest = boot(found, work / "guest")
             print(f"kernel {found.package} {found.version} under TCG, 1 vCPU")
             print(f"boot to the command server:   {guest.boot_seconds:6.1f} s")
+            measured = {"boot to the command server": f"{guest.boot_seconds:.1f} s"}
+            shapes = {}
             operator = OperatorProcess(control_plane, work / "operator.log")
             operator.start(timeout=60)
             node = GuestNode(guest, control_plane, f"bench-{uuid.uuid4().hex[:6]}")
             node.start_kubelet()
             print(f"kubelet Ready in the guest:   {node.timings['kubelet start']:6.1f} s")
+            measured["kubelet Ready in the guest"] = f"{node.timings['kubelet start']:.1f} s"
             started = time.monotonic()
             node.start_agent()
             wanted = {address(slot) for slot in SHAPES}
             wait(lambda: wanted <= set(node.devices()), 300, "the agent's first report", node)
             print(f"agent start to first report:  {time.monotonic() - started:6.1f} s")
+            measured["agent start to first report"] = f"{time.monotonic() - started:.1f} s"
             namespace = f"bench-{uuid.uuid4().hex[:6]}"
             control_plane.kubectl("create", "namespace", namespace)
             print(f"\nlatency over {args.rounds} rounds (spec write on the host to drivers changed in the guest):")
@@ -124,6 +151,7 @@ def main() -> int:
                 functions = next(s.functions for s in TOPOLOGY if s.name == slot)
                 shape = f"{slot} ({' + '.join(f.model for f in functions)}, {len(functions)}-function group)"
                 binds, give_backs = measure(node, slot, namespace, args.rounds)
+                shapes[shape] = (binds, give_backs)
                 print(f"  {shape}")
                 print(f"    bind to vfio-pci:        {_figures(binds)}")
                 print(f"    give-back to its driver: {_figures(give_backs)}")
@@ -133,6 +161,11 @@ def main() -> int:
             print(f"  AER error injected (aer):     {aer}")
             gone = to_unhealthy(node, "testdev", namespace, lambda: monitor.execute("device_del", id="testdev-0"))
             print(f"  surprise removal (device_del): {gone}")
+            measured["AER error injected to Unhealthy in ListAndWatch"] = aer.strip()
+            measured["surprise removal (`device_del`) to Unhealthy"] = gone.strip()
+            print()
+            release = found.package.removeprefix("linux-image-")
+            print(page_table(shapes, measured, note=f"Kernel {release} under QEMU's TCG, one vCPU, {args.rounds} rounds."))
         finally:
             if node is not None:
                 node.stop()
