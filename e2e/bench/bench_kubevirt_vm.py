@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kubernetes_asyncio import client  # noqa: E402
 
 from e2e import chart, cluster, fakesysfs, kubelet, support, virt  # noqa: E402
+from e2e.bench import table  # noqa: E402
 from e2e.fakekernel import FakeKernel  # noqa: E402
 from e2e.processes import AgentProcess, OperatorProcess, WebhookServing  # noqa: E402
 from passthrough.deviceplugin import podresources  # noqa: E402
@@ -74,6 +75,25 @@ def p50_p90(samples: list[float]) -> str:
         return "no samples"
     cuts = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
     return f"p50 {cuts[4] * 1000:.0f} ms, p90 {cuts[8] * 1000:.0f} ms ({len(samples)} VMs)"
+
+
+# Each figure as the performance page labels it, with its goal (None: none set).
+GOALS: dict[str, str | None] = {
+    "`VirtualMachine` created (device already assigned) to the compute container with its device": None,
+    "admin's assignment (VM created as soon as admitted) to the compute container with its device": None,
+    "stuck rounds (no compute container 30 s after the VM was admitted)": None,
+}
+
+
+def page_table(vms: list[float], assignments: list[float], rounds: tuple[int, int], stuck: int, **lead) -> str:
+    """The figures in the performance page's form: `rounds` is how many VM rounds and assignment rounds ran."""
+    labels = list(GOALS)
+    measured = {
+        labels[0]: p50_p90(vms).replace(" VMs)", f" of {rounds[0]} VMs)"),
+        labels[1]: p50_p90(assignments).replace(" VMs)", f" of {rounds[1]} VMs)"),
+        labels[2]: f"{stuck} of {sum(rounds)}",
+    }
+    return table.figures_page(measured, GOALS, **lead)
 
 
 class Run:
@@ -198,9 +218,13 @@ async def bench(local: cluster.LocalCluster, root: Path, args: argparse.Namespac
         await support.wait_resources(client.CoreV1Api(api), node.node_name, assigned, agent, timeout=60)
         run = Run(local, api, node, agent, gpus)
         await bench_vms(run, 2, "warm")  # warm-up: the first VMs pay for caches and connections
-        print(f"VM to container:          {p50_p90(await bench_vms(run, args.vms))}")
-        print(f"assignment to container:  {p50_p90(await bench_assignments(run, args.assignments))}")
+        vms = await bench_vms(run, args.vms)
+        print(f"VM to container:          {p50_p90(vms)}")
+        assignments = await bench_assignments(run, args.assignments)
+        print(f"assignment to container:  {p50_p90(assignments)}")
         print(f"stuck rounds:             {len(run.stuck)}" + "".join(f"\n    {s}" for s in run.stuck))
+        print()
+        print(page_table(vms, assignments, (args.vms, args.assignments), len(run.stuck)))
     finally:
         for part in (agent, controllers):
             if part:

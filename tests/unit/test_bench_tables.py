@@ -192,3 +192,21 @@ def test_realkernel() -> None:
     printed = module.page_table(shapes, {"boot to the command server": "14.6 s"}, **LEAD)
     assert_page_form("bench_realkernel", printed, module.GOALS)
     assert "| nic (e1000e, 1-function group) | p50 0.90 s, max 2.81 s | p50 0.80 s, max 0.99 s | — |" in printed
+
+
+def test_kubevirt_vm() -> None:
+    module = bench("bench_kubevirt_vm")
+    printed = module.page_table([0.5, 0.6, 0.7], [2.3, 2.4], (3, 3), 1, **LEAD)
+    assert_page_form("bench_kubevirt_vm", printed, module.GOALS)
+    assert "| p50 600 ms, p90 680 ms (3 of 3 VMs) |" in printed
+    assert "| 1 of 6 |" in printed
+
+
+def test_every_figure_on_the_page_is_one_a_benchmark_prints() -> None:
+    by_section: dict[str, set[str]] = {}
+    for script in SECTIONS:
+        module = bench(script)
+        by_section.setdefault(SECTIONS[script], set()).update(module.GOALS)
+    for section, labels in by_section.items():
+        on_page = {row[0] for t in tables(section) if t[0] == list(table.COLUMNS) for row in t[1:]}
+        assert labels == on_page, section.splitlines()[0]
