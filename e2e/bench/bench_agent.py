@@ -100,7 +100,8 @@ def bench_discovery(root: Path, devices: int, runs: int, pci_ids_path: Path) -> 
     print(f"discovery:                p50 {p50:.1f} ms, p99 {p99:.1f} ms over {runs} runs "
           f"({len(found.devices)} functions, {reported} reported)")
     MEASURED["pci.ids load"] = f"{min(loads) * 1000:.0f} ms (best of 5)"
-    MEASURED["discovery"] = f"p50 {p50:.1f} ms, p99 {p99:.1f} ms over {runs} runs ({len(found.devices)} functions, {reported} reported)"
+    MEASURED["discovery"] = (f"p50 {p50:.1f} ms, p99 {p99:.1f} ms over {runs} runs "
+                             f"({len(found.devices)} functions, {reported} reported)")
 
 
 class AgentRun:
@@ -215,7 +216,8 @@ async def bench_hotplug(local: cluster.LocalCluster, root: Path, gpus: int, tria
         p50, p99 = support.p50_p99([s * 1000 for s in latencies])
         print(f"hotplug to visible:       p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {max(latencies) * 1000:.0f} ms over "
               f"{trials} GPUs added (uevents to a watch seeing the NodePCIDevice with its status)")
-        MEASURED[list(GOALS)[-1]] = f"p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {max(latencies) * 1000:.0f} ms over {trials} GPUs added"
+        MEASURED[list(GOALS)[-1]] = (f"p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {max(latencies) * 1000:.0f} ms "
+                                     f"over {trials} GPUs added")
     finally:
         for task in tasks:
             task.cancel()

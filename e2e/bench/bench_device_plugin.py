@@ -404,7 +404,8 @@ async def gpu_mode_on(node: Node) -> None:
     where = "in allocatable" if node.kubelet else "registered"
     print(f"GPU mode on:              {arrived - started:.2f} s from the label to the pool of {node.gpus} {where} "
           f"({node.gpus} groups bound, 1 sample)")
-    MEASURED["GPU mode on: label to the pool in allocatable"] = f"{arrived - started:.2f} s (pool of {node.gpus}{'' if node.kubelet else ', registered'})"
+    MEASURED["GPU mode on: label to the pool in allocatable"] = (
+        f"{arrived - started:.2f} s (pool of {node.gpus}{'' if node.kubelet else ', registered'})")
 
 
 async def bench_allocate(node: Node, calls: int) -> None:
