@@ -41,9 +41,18 @@ def handed_out(node, tenant, address_: str) -> str:
         return ok and device["status"].get("resourceName")
 
     name = wait(resource, 120, f"{address_} handed out and Ready", node)
-    # The plugin registered: the kubelet offers it (a ListAndWatch is then there to read).
-    wait(lambda: node.guest.run("ls", node.device_plugin_dir).stdout.count("passthrough-") >= 1, 60, "a plugin socket")
+    # This resource's own plugin socket (another device's, served earlier, says nothing of it):
+    # a ListAndWatch is then there to read.
+    wait(lambda: node.guest.python(_LIVE_SOCKET, plugin_dir=node.device_plugin_dir, resource=name), 60,
+         f"{name}'s plugin socket", node)  # fmt: skip
     return name
+
+
+_LIVE_SOCKET = """
+from pathlib import Path
+from passthrough.deviceplugin.server import live_socket
+result = str(live_socket(Path(args['plugin_dir']), args['resource']) or '')
+"""
 
 
 def _warning(node, address_: str, reason: str, words: str) -> list[dict]:
@@ -60,7 +69,7 @@ def test_a_fatal_aer_error_makes_a_served_device_unhealthy_within_a_second(guest
     assert paths == sorted(["/dev/vfio/vfio", f"/dev/vfio/{group}"]), paths
 
     with PluginWatch(guest, node.device_plugin_dir, resource) as watch:
-        wait(lambda: watch.first(lambda d: d.get(AER_FN) == "Healthy"), 30, "ListAndWatch to show it Healthy")
+        wait(lambda: watch.first(lambda d: d.get(AER_FN) == "Healthy"), 30, "ListAndWatch to show it Healthy", node)
         # The kernel counts a fatal error of an endpoint at its root port: it reads nothing from a
         # device whose link it deems unreliable, then resets that link.
         counter = CounterWatch(guest, f"/sys/bus/pci/devices/{AER_FN}/../aer_rootport_total_err_fatal")
@@ -84,7 +93,7 @@ def test_a_fatal_aer_error_makes_a_served_device_unhealthy_within_a_second(guest
 def test_a_device_whose_config_reads_return_all_ones_is_unhealthy_within_a_second(guest, node, tenant):
     resource = handed_out(node, tenant, TESTDEV)
     with PluginWatch(guest, node.device_plugin_dir, resource) as watch:
-        wait(lambda: watch.first(lambda d: d.get(TESTDEV) == "Healthy"), 30, "ListAndWatch to show it Healthy")
+        wait(lambda: watch.first(lambda d: d.get(TESTDEV) == "Healthy"), 30, "ListAndWatch to show it Healthy", node)
         fault = OffTheBus(guest, TESTDEV)
         try:
             assert fault.vendor == "ffff", fault.vendor
@@ -107,7 +116,7 @@ def test_a_device_whose_config_reads_return_all_ones_is_unhealthy_within_a_secon
 def test_a_surprise_removal_makes_a_served_device_unhealthy_within_a_second(guest, node, tenant):
     resource = handed_out(node, tenant, TESTDEV)
     with PluginWatch(guest, node.device_plugin_dir, resource) as watch:
-        wait(lambda: watch.first(lambda d: d.get(TESTDEV) == "Healthy"), 30, "ListAndWatch to show it Healthy")
+        wait(lambda: watch.first(lambda d: d.get(TESTDEV) == "Healthy"), 30, "ListAndWatch to show it Healthy", node)
         fault = surprise_removal(guest, TESTDEV)
         at = wait(lambda: watch.first(lambda d: d.get(TESTDEV) != "Healthy", fault.at), 30, "ListAndWatch: not Healthy")
         updates = [(round(t - fault.at, 2), d) for t, d in watch.updates() if t >= fault.at]
