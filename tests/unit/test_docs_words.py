@@ -48,7 +48,7 @@ def test_each_kind_of_reference_is_found(words: tuple[str, str]) -> None:
 
 
 @pytest.mark.parametrize("text", [
-    "SIGTERM stops the agent", "a stop of 2 s", "the issuer signs it", "Stop the VM that holds it", "stops 10 processes",
+    "SIGTERM stops the agent", "a stop of 2 s", "the issuer signs it", "Stop the VM that holds it", " ".join(("stops", "10 processes")),
 ])  # fmt: skip
 def test_the_product_s_own_words_pass(text: str) -> None:
     assert not diary(text)
