@@ -34,45 +34,88 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15)
 
 class WebhookServing:
     """What the chart's webhook Secret holds, for a webhook on 127.0.0.1: a CA and a serving
-    certificate it signed (tls.crt, tls.key, ca.crt in `directory`), and a free port."""
+    certificate it signed (tls.crt, tls.key, ca.crt in `directory`), and a free port.
+
+    The files are laid out as the kubelet writes a Secret volume (each name a link into `..data`,
+    itself a link to the current version's folder), so `renew` replaces the pair at once as a
+    Secret update does; `renew(atomic=False)` writes the certificate and the key one after the
+    other instead, as a hand-made copy would."""
 
     def __init__(self, directory: Path) -> None:
         from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        self._ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca = self._certificate("webhook-ca", self._ca_key, (x509.BasicConstraints(ca=True, path_length=None), True))
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.port, self.versions = directory, free_ports(1)[0], 0
+        self.ca = self._pem(ca)
+        self.serving = b""  # the serving certificate last written (PEM)
+        self._write({"ca.crt": self.ca, **self._serving_pair()})
+
+    def renew(self, atomic: bool = True) -> None:
+        """A new key and serving certificate from the same CA, as cert-manager's renewal makes."""
+        files = {"ca.crt": self.ca, **self._serving_pair()}
+        if atomic:
+            self._write(files)
+        else:
+            for name in ("tls.crt", "tls.key"):
+                current = self.directory / "..data"
+                (current / name).write_bytes(files[name])
+
+    @staticmethod
+    def _pem(certificate) -> bytes:
+        from cryptography.hazmat.primitives import serialization
+
+        return certificate.public_bytes(serialization.Encoding.PEM)
+
+    def _certificate(self, subject: str, key, *extensions):
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.x509.oid import NameOID
 
         now = datetime.datetime.now(datetime.UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "webhook-ca")]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+        for extension, critical in extensions:
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(self._ca_key, hashes.SHA256())
 
-        def certificate(subject: str, key, issuer: str, signer, *extensions) -> x509.Certificate:
-            builder = (
-                x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-                .public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1))
-            )
-            for extension, critical in extensions:
-                builder = builder.add_extension(extension, critical=critical)
-            return builder.sign(signer, hashes.SHA256())
+    def _serving_pair(self) -> dict[str, bytes]:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID
 
-        ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-        ca = certificate("webhook-ca", ca_key, "webhook-ca", ca_key, (x509.BasicConstraints(ca=True, path_length=None), True))
-        serving = certificate(
-            "127.0.0.1", key, "webhook-ca", ca_key,
+        key = ec.generate_private_key(ec.SECP256R1())
+        serving = self._certificate(
+            "127.0.0.1", key,
             (x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False),
             (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False),
         )  # fmt: skip
-        directory.mkdir(parents=True, exist_ok=True)
-        self.directory, self.port = directory, free_ports(1)[0]
-        self.ca = ca.public_bytes(serialization.Encoding.PEM)
-        (directory / "ca.crt").write_bytes(self.ca)
-        (directory / "tls.crt").write_bytes(serving.public_bytes(serialization.Encoding.PEM))
-        (directory / "tls.key").write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        )
+        self.serving = self._pem(serving)
+        pkcs8 = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        return {"tls.crt": self.serving, "tls.key": pkcs8}
+
+    def _write(self, files: dict[str, bytes]) -> None:
+        """The kubelet's atomic writer: a new version's folder, `..data` swapped to it by a rename."""
+        self.versions += 1
+        version = self.directory / f"..version-{self.versions}"
+        version.mkdir()
+        for name, content in files.items():
+            (version / name).write_bytes(content)
+        (self.directory / "..data-next").symlink_to(version.name)
+        os.replace(self.directory / "..data-next", self.directory / "..data")
+        for name in files:
+            if not (self.directory / name).is_symlink():
+                (self.directory / name).symlink_to(Path("..data") / name)
 
     def args(self) -> list[str]:
         return [f"--webhook-port={self.port}", "--webhook-addr=127.0.0.1", f"--webhook-cert-dir={self.directory}"]

@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the webhooks' serving certificate: DIR/tls.crt and DIR/tls.key (a kubernetes.io/tls Secret); "
         "re-read when they change",
     )
+    p.add_argument(
+        "--webhook-cert-check",
+        default="60s",
+        metavar="DURATION",
+        help="how often the serving certificate's files are looked at for a renewal; a renewed pair serves "
+        "new connections at once and no open connection is closed (default 60s)",
+    )
     p.add_argument("--dra", action="store_true",
                    help="DRA mode: keep a DeviceClass passthrough-<namespace> for each namespace that has devices "
                    "handed out, selecting exactly those")
