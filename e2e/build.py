@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from e2e import gobuild
+
 HERE = Path(__file__).resolve().parent
 MODULES = HERE / "controlplane"
 BINARIES = (
@@ -39,8 +41,7 @@ BINARIES = (
 )
 
 
-class BuildError(RuntimeError):
-    """A step of the build failed; the message names the step and its log."""
+BuildError = gobuild.BuildError  # what every Go program's build raises
 
 
 @dataclass(frozen=True)
