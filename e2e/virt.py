@@ -24,31 +24,28 @@ virt-api and virt-controller read), and the request-header CA virt-api insists o
 subresource API itself is not registered, so `virtctl start` is not available: VMs start by
 `runStrategy`).
 
-The binaries are cached beside the control plane's (`e2e/build.py`), keyed by the Go release
-and the module's files; a lock lets parallel test runs build them once.
+The binaries are built as every Go program of the suite is (`e2e/gobuild.py`), cached beside
+the control plane's, keyed by the Go release and the module's files.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import platform
-import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from e2e import build
+from e2e import build, gobuild
 from e2e.cluster import _die_with_parent, free_ports
 
 MODULE = Path(__file__).resolve().parent / "kubevirt_controllers"
@@ -70,97 +67,28 @@ NODE_CAPACITY = {"devices.kubevirt.io/kvm": "1k", "devices.kubevirt.io/tun": "1k
 
 
 def kubevirt_version() -> str:
-    return build._required_version(MODULE, "kubevirt.io/kubevirt")
+    return gobuild.required_version(MODULE, "kubevirt.io/kubevirt")
 
 
 def cache_key() -> str:
     """The Go release, the module's go.mod and go.sum and every source in it (ours and the
     third-party copies): a change to any means new binaries."""
-    digest = hashlib.sha256(build._go_version().encode())
-    for path in sorted([MODULE / "go.mod", MODULE / "go.sum", *MODULE.rglob("*.go"), *MODULE.rglob("go.mod")]):
-        digest.update(str(path.relative_to(MODULE)).encode() + b"\0" + path.read_bytes())
+    digest = hashlib.sha256(gobuild.go_version().encode())
+    paths = sorted([MODULE / "go.mod", MODULE / "go.sum", *MODULE.rglob("*.go"), *MODULE.rglob("go.mod")])
+    gobuild.hash_files(digest, paths, MODULE)
     digest.update(json.dumps(PACKAGES, sort_keys=True).encode())
     return digest.hexdigest()[:12]
 
 
 def cache_dir() -> Path:
-    return build.cache_root() / "kubevirt" / f"kubevirt-{kubevirt_version()}-{cache_key()}"
-
-
-class _Progress(build._Progress):
-    def report(self) -> None:
-        elapsed = int(time.monotonic() - self.started)
-        print(f"[kubevirt] {self.label}: {self.done} of up to {self.total} packages compiled ({elapsed // 60}m{elapsed % 60:02d}s)",
-              file=sys.stderr, flush=True)  # fmt: skip
-
-
-def _go(args: list[str], log_path: Path, progress_total: int = 0) -> str:
-    with log_path.open("a") as log:
-        log.write(f"\n$ (cd {MODULE} && go {' '.join(args)})\n")
-        log.flush()
-        proc = subprocess.Popen(["nice", "-n", "10", shutil.which("go") or "go", *args], cwd=MODULE, env=build._go_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        assert proc.stdout is not None
-        output = ""
-        if progress_total:
-            progress = _Progress(f"build {', '.join(PACKAGES)}", progress_total, log)
-            feeder = threading.Thread(target=progress.feed, args=(proc.stdout,), daemon=True)
-            feeder.start()
-            rc = proc.wait()
-            feeder.join()
-        else:
-            output = proc.stdout.read()
-            log.write(output)
-            rc = proc.wait()
-    if rc != 0:
-        raise build.BuildError(f"building KubeVirt's programs failed at `go {args[0]}` (exit {rc}); see {log_path}")
-    return output
-
-
-def _build(directory: Path) -> Path:
-    """Build into a staging directory beside the entry, then move it in: a half-built entry is never found."""
-    for stale in directory.parent.glob(f"{directory.name}.partial-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = directory.parent / f"{directory.name}.partial-{os.getpid()}"
-    (staging / "bin").mkdir(parents=True)
-    log_path = directory.parent / f"{directory.name}.build.log"
-    log_path.write_text(f"# KubeVirt build, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    started = time.monotonic()
-    print(f"[kubevirt] building KubeVirt {kubevirt_version()}'s {', '.join(PACKAGES)} (a first build takes minutes) ...",
-          file=sys.stderr, flush=True)  # fmt: skip
-    _go(["mod", "download"], log_path)
-    listed = _go(["list", "-deps", *PACKAGES.values()], log_path)
-    total = len([line for line in listed.splitlines() if line and not line.startswith("go: ")])
-    _go(["build", "-v", "-trimpath", "-o", str(staging / "bin") + "/", *PACKAGES.values()], log_path, progress_total=total)
-    for name, package in PACKAGES.items():  # `go build -o DIR/` names each program after its package's folder
-        if Path(package).name != name:
-            (staging / "bin" / Path(package).name).rename(staging / "bin" / name)
-    for name in PACKAGES:
-        if not (staging / "bin" / name).is_file():
-            raise build.BuildError(f"the KubeVirt build produced no {name}; see {log_path}")
-    elapsed = time.monotonic() - started
-    (staging / "build-info.json").write_text(json.dumps({"seconds": round(elapsed, 1), "go": build._go_version()}))
-    if directory.exists():
-        shutil.rmtree(directory)
-    staging.rename(directory)
-    print(f"[kubevirt] built in {int(elapsed) // 60}m{int(elapsed) % 60:02d}s into {directory}", file=sys.stderr, flush=True)
-    return directory / "bin"
+    return gobuild.cache_root() / "kubevirt" / f"kubevirt-{kubevirt_version()}-{cache_key()}"
 
 
 def ensure_binaries() -> Path:
-    """The directory of the three programs, built first when the cache lacks them. Raises
-    build.BuildError (no `go`, a failed build) with a message that says what to do."""
-    if shutil.which("go") is None:
-        raise build.BuildError("KubeVirt's programs are built with Go, and `go` is not on PATH; install Go 1.26 or newer")
-    directory = cache_dir()
-    if (directory / "build-info.json").is_file():
-        return directory / "bin"
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with (directory.parent / ".build.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then look again
-        if (directory / "build-info.json").is_file():
-            return directory / "bin"
-        return _build(directory)
+    """The directory of the programs, built first when the cache lacks them (a first build takes
+    minutes). Raises build.BuildError (no `go`, a failed build) with a message that says what to do."""
+    program = gobuild.Program(MODULE, PACKAGES)
+    return gobuild.ensure(gobuild.GoBuild("kubevirt", f"KubeVirt {kubevirt_version()}'s programs", cache_dir(), (program,)))
 
 
 def install_manifest(namespace: str = NAMESPACE) -> dict[str, Any]:
@@ -349,12 +277,7 @@ def mark_node(cluster, node: str) -> None:
 
 
 def main() -> int:
-    try:
-        print(ensure_binaries())
-    except build.BuildError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return gobuild.main("kubevirt", ensure_binaries)
 
 
 if __name__ == "__main__":
