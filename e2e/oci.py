@@ -2,8 +2,8 @@
 
 runc is built from the Go module proxy (the release `e2e/controlplane/runc/go.mod` pins) with the
 `seccomp` build tag against Debian's libseccomp-dev, which `ensure_runc` installs when its header
-is missing, and is cached like the control plane (`e2e/build.py`): keyed by everything that goes
-into it, complete only once its manifest is written.
+is missing, as every Go program of the suite is (`e2e/gobuild.py`): cached beside the control
+plane, keyed by everything that goes into it.
 
 `bundle` turns one container of a rendered pod template (the chart's DaemonSet, from
 `helm template`) into the `config.json` a container runtime would give runc for it: the
@@ -17,20 +17,16 @@ emptyDir: a directory of the bundle). The root filesystem is not the image: the 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from e2e.build import cache_root
+from e2e import gobuild
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -39,46 +35,35 @@ PACKAGE = "github.com/opencontainers/runc"
 SECCOMP_HEADER = Path("/usr/include/seccomp.h")
 
 
-class RuncUnavailable(RuntimeError):
+class RuncUnavailable(gobuild.BuildError):
     """runc cannot be built here (no Go, no compiler, libseccomp-dev not installable)."""
 
 
 def runc_version() -> str:
-    match = re.search(rf"^\s*(?:require\s+)?{re.escape(PACKAGE)} (v\S+)", (MODULE / "go.mod").read_text(), re.M)
-    if not match:
-        raise RuncUnavailable(f"{MODULE}/go.mod does not require {PACKAGE}")
-    return match.group(1)
-
-
-def _go() -> str:
-    go = shutil.which("go")
-    if go is None:
-        raise RuncUnavailable("runc is built with Go, and `go` is not on PATH; install Go 1.26 or newer")
-    return go
+    try:
+        return gobuild.required_version(MODULE, PACKAGE)
+    except gobuild.BuildError as exc:
+        raise RuncUnavailable(str(exc)) from exc
 
 
 def _cache_dir() -> Path:
-    version = subprocess.run([_go(), "version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(version.encode())
+    # The key has always hashed `go version`'s output as printed, its newline included.
+    digest = hashlib.sha256((gobuild.go_version() + "\n").encode())
     for name in ("go.mod", "go.sum"):
         digest.update((MODULE / name).read_bytes())
     digest.update(_ldflags().encode())
-    return cache_root() / "runc" / f"runc-{runc_version()}-{digest.hexdigest()[:12]}"
+    return gobuild.cache_root() / "runc" / f"runc-{runc_version()}-{digest.hexdigest()[:12]}"
 
 
 def _ldflags() -> str:
     return f"-s -w -X main.version={runc_version().lstrip('v')} -X main.gitCommit=module-proxy"
 
 
-def _log(message: str) -> None:
-    print(f"[runc] {message}", file=sys.stderr, flush=True)
-
-
 def _ensure_libseccomp() -> None:
     """Debian's libseccomp-dev (header, pkg-config file): what the seccomp build tag compiles against."""
     if SECCOMP_HEADER.exists():
         return
-    _log("installing libseccomp-dev (apt-get)")
+    print("[runc] installing libseccomp-dev (apt-get)", file=sys.stderr, flush=True)
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=600", "libseccomp-dev"]
     if subprocess.run(install, stdout=subprocess.DEVNULL).returncode != 0:
         subprocess.run(["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=600"], stdout=subprocess.DEVNULL)
@@ -86,58 +71,17 @@ def _ensure_libseccomp() -> None:
             raise RuncUnavailable("apt-get could not install libseccomp-dev, which runc's seccomp support needs")
 
 
-def _manifest(path: Path) -> dict[str, int]:
-    return {"size": path.stat().st_size, "mtime_ns": path.stat().st_mtime_ns}
-
-
-def _cached(directory: Path) -> Path | None:
-    try:
-        if json.loads((directory / "manifest.json").read_text()) == _manifest(directory / "runc"):
-            return directory / "runc"
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _build(directory: Path) -> Path:
-    _ensure_libseccomp()
-    staging = directory.parent / f"{directory.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    log_path = directory.parent / f"{directory.name}.build.log"
-    env = {**os.environ, "CGO_ENABLED": "1", "GOFLAGS": "-mod=readonly", "GOTOOLCHAIN": "local"}
-    args = [_go(), "build", "-v", "-trimpath", "-tags", "seccomp", "-ldflags", _ldflags(), "-o", str(staging / "runc"), PACKAGE]
-    started = time.monotonic()
-    _log(f"build {PACKAGE}@{runc_version()} (seccomp) ...")
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(args, cwd=MODULE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert proc.stdout is not None
-        compiled, last = 0, started
-        for line in proc.stdout:
-            log.write(line)
-            compiled += not line.startswith(("#", " ", "\t", "go: "))
-            if time.monotonic() - last >= 10:
-                last = time.monotonic()
-                _log(f"build: {compiled} packages compiled ({int(last - started)}s)")
-        rc = proc.wait()
-    if rc != 0:
-        raise RuncUnavailable(f"the runc build failed (exit {rc}); see {log_path}")
-    (staging / "manifest.json").write_text(json.dumps(_manifest(staging / "runc")))
-    shutil.rmtree(directory, ignore_errors=True)
-    staging.rename(directory)
-    _log(f"built in {time.monotonic() - started:.0f}s into {directory}")
-    return directory / "runc"
-
-
 def ensure_runc() -> Path:
     """The runc binary, built first when the cache lacks it. RuncUnavailable when it cannot be."""
-    directory = _cache_dir()
-    if found := _cached(directory):
-        return found
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with (directory.parent / ".build.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same entry
-        return _cached(directory) or _build(directory)
+    program = gobuild.Program(MODULE, {"runc": PACKAGE}, tags="seccomp", ldflags=_ldflags())
+    try:
+        build = gobuild.GoBuild("runc", f"runc {runc_version()} (seccomp)", _cache_dir(), (program,), bin_dir="",
+                                cgo=True, prepare=_ensure_libseccomp)  # fmt: skip
+        return gobuild.ensure(build) / "runc"
+    except RuncUnavailable:
+        raise
+    except gobuild.BuildError as exc:
+        raise RuncUnavailable(str(exc)) from exc
 
 
 # -- the pod shape as an OCI bundle -----------------------------------------------------------
@@ -289,13 +233,7 @@ def bundle(
 def main() -> int:
     """`python -m e2e.oci` (make realkernel): runc, ready. Where it cannot be built, one line says
     why and the tests that run containers skip (exit 0), except under CI=true (exit 1)."""
-    try:
-        print(ensure_runc())
-    except RuncUnavailable as exc:
-        required = os.environ.get("CI", "").lower() == "true"
-        _log(f"{'cannot' if required else 'the tests that run containers will skip: cannot'} build runc: {exc}")
-        return 1 if required else 0
-    return 0
+    return gobuild.main("runc", ensure_runc, optional="the tests that run containers")
 
 
 if __name__ == "__main__":
