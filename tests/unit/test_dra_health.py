@@ -6,6 +6,10 @@ The real kubelet reading them: tests/integration/test_dra_health.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,26 +78,31 @@ def driver(tmp_path):
     return host, made
 
 
+def _judge(drv) -> bool:
+    """One health read of the driver's candidates and prepared devices, as its watch makes every half second."""
+    return asyncio.run(drv.health.judge(drv._candidates, drv._prepared_devices()))
+
+
 def test_a_group_member_losing_its_link_makes_the_device_unhealthy_and_withdrawn_until_it_recovers(driver):
     host, drv = driver
     drv._candidates = {GPU: GROUP}
-    drv._judge_health()
-    assert drv.device_health == {"pci-0000-af-00-0": ""} and drv.unhealthy == {}
+    _judge(drv)
+    assert drv.health.device_health == {"pci-0000-af-00-0": ""} and drv.health.unhealthy == {}
     host.write_attribute(AUDIO, "current_link_width", "0")
-    assert drv._judge_health()  # the slice must change
+    assert _judge(drv)  # the slice must change
     why = f"{AUDIO}'s PCIe link is down (current_link_width 0)"
-    assert drv.device_health == {"pci-0000-af-00-0": why} and drv.unhealthy == {GPU: why}
+    assert drv.health.device_health == {"pci-0000-af-00-0": why} and drv.health.unhealthy == {GPU: why}
     host.write_attribute(AUDIO, "current_link_width", "16")
-    assert drv._judge_health()
-    assert drv.device_health == {"pci-0000-af-00-0": ""} and drv.unhealthy == {}
+    assert _judge(drv)
+    assert drv.health.device_health == {"pci-0000-af-00-0": ""} and drv.health.unhealthy == {}
 
 
 def test_a_held_device_no_longer_offered_is_reported_as_its_hardware_is_not_withdrawn(driver):
     host, drv = driver
     drv.prepared = {"u-1": PreparedClaim("team-a", "kept", devices=[_prepared(GPU, GROUP)])}
     host.write_attribute(AUDIO, "current_link_width", "0")
-    assert not drv._judge_health()  # not in the slice: nothing to withdraw
-    assert drv.device_health == {"pci-0000-af-00-0": f"{AUDIO}'s PCIe link is down (current_link_width 0)"}
+    assert not _judge(drv)  # not in the slice: nothing to withdraw
+    assert drv.health.device_health == {"pci-0000-af-00-0": f"{AUDIO}'s PCIe link is down (current_link_width 0)"}
 
 
 async def _next(stream, timeout: float = 2.0):
@@ -103,12 +112,52 @@ async def _next(stream, timeout: float = 2.0):
 async def test_the_stream_reports_at_once_on_each_change_again_before_the_timeout_and_ends_at_shutdown(driver, monkeypatch):
     _, drv = driver
     monkeypatch.setattr(dra_health, "RESEND", 0.2)
-    drv._report_health({"pci-0000-af-00-0": ""})
+    drv.health.report({"pci-0000-af-00-0": ""})
     stream = drv.NodeWatchResources(health.NodeWatchResourcesRequest(), None)
     assert _said(await _next(stream)) == {"pci-0000-af-00-0": (NODE, "HEALTHY", "")}
-    drv._report_health({"pci-0000-af-00-0": "ill"})
+    drv.health.report({"pci-0000-af-00-0": "ill"})
     assert _said(await _next(stream, timeout=0.1)) == {"pci-0000-af-00-0": (NODE, "UNHEALTHY", "ill")}  # not the resend
     assert _said(await _next(stream)) == {"pci-0000-af-00-0": (NODE, "UNHEALTHY", "ill")}  # nothing new: said again
-    drv._closing.set()
+    drv.health.closing.set()
     with pytest.raises(StopAsyncIteration):
         await _next(stream)
+
+
+def test_a_config_read_that_waits_does_not_stop_the_drivers_loop(driver):
+    # The kernel holds a device's config access through a reset (vfio-pci resets a device as a VM
+    # starts): here the group member's `config` is a FIFO, whose open waits as such a read does.
+    # The driver's event loop runs in a thread of its own, so a loop stuck in the read shows as a
+    # loop that stands still rather than as a test that hangs.
+    host, drv = driver
+    drv._candidates = {GPU: GROUP}
+    config = host.device_dir(AUDIO) / "config"
+    config.unlink(missing_ok=True)
+    os.mkfifo(config)
+    ticks: list[float] = []
+    watching: list[bool] = []
+
+    async def loop() -> None:
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.05)
+
+        ticker = asyncio.create_task(tick())
+        watch = asyncio.create_task(drv._watch_health())
+        await asyncio.sleep(1.5)
+        watching.append(not watch.done())
+        watch.cancel()
+        ticker.cancel()
+
+    runner = threading.Thread(target=asyncio.run, args=(loop(),), daemon=True)
+    runner.start()
+    try:
+        runner.join(5)
+        assert not runner.is_alive(), "the driver's event loop waited on the config-space read"
+    finally:
+        with contextlib.suppress(OSError):  # ENXIO: no read waits
+            os.close(os.open(config, os.O_WRONLY | os.O_NONBLOCK))  # a reader waits: this ends its wait
+        runner.join(5)
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert gaps and max(gaps) < 0.4, f"the loop stood still for {max(gaps, default=0):.2f} s"
+    assert watching == [True]

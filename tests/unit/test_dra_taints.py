@@ -64,7 +64,7 @@ def test_a_claim_allocated_a_device_that_fell_ill_is_not_prepared_until_it_recov
                     cdi_dir=tmp_path / "cdi", pci_ids=PciIds.load(Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11"))  # fmt: skip
     [gpu] = [d for d in discover(host.sysfs, host.proc, driver.pci_ids).devices if d.address == GPU]
     driver.inventory = dra_slice.by_name([dra_slice.Published(gpu, "npci", "team-a")])
-    driver.unhealthy = {GPU: f"{AUDIO}'s PCIe link is down (current_link_width 0)"}
+    driver.health.unhealthy = {GPU: f"{AUDIO}'s PCIe link is down (current_link_width 0)"}
     with pytest.raises(PrepareError, match=r"pci-0000-3b-00-0 \(0000:3b:00.0\) is unhealthy: 0000:3b:00.1's PCIe link is down"):
         asyncio.run(driver._prepare("team-a", "vm", "u-1"))
     assert driver.prepared == {} and not (tmp_path / "cdi").exists()

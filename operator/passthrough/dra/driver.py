@@ -13,8 +13,8 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
   (`agent.report.handed_out`), the slice (`dra.slice`) written only when it differs; then the
   groups this driver bound that no published device and no prepared claim needs go back to their
   drivers.
-- Health: every 0.5 s, the hardware of each device offered, withdrawn or held by a prepared
-  claim (`pci.health.Health.hardware_problem`). An ill one is tainted in the slice, NoSchedule
+- Health (`dra.healthwatch`): every 0.5 s, the hardware of each device offered, withdrawn or
+  held by a prepared claim, read in threads, never in the event loop. An ill one is tainted in the slice, NoSchedule
   (no new claim gets it) or NoExecute when it fell off the bus (kube-controller-manager evicts
   the pods of the claims that hold it), and is reported Unhealthy, with why, to the kubelet (the
   pods that hold it show it); untainted and Healthy when it recovers (`dra.health`). One gone
@@ -71,6 +71,7 @@ from passthrough.deviceplugin.podresources import Asker
 from passthrough.dra import binding as dra_binding
 from passthrough.dra import cdi
 from passthrough.dra import health as dra_health
+from passthrough.dra.healthwatch import HEALTH_POLL, HealthWatch, first as _first
 from passthrough.dra import others as dra_others
 from passthrough.dra import slice as dra_slice
 from passthrough.dra.prepared import PreparedClaim, holder, load_checkpoint, remove_files, save_checkpoint, write_files
@@ -100,7 +101,6 @@ CDI_DIR = Path("/var/run/cdi")
 SERVICES = ("v1.DRAPlugin", dra_health.SERVICE)
 PLUGIN_TYPE = "DRAPlugin"
 RETRY = 5.0  # seconds before the next pass after a failed one
-HEALTH_POLL = 0.5  # seconds between health reads of the published devices (cheap: no device lock)
 # Seconds the first pass waits for the kubelet to register the driver: a claim allocated from a
 # slice published before that fails its first prepare ("not registered") and waits for the
 # kubelet's retry (12 s in bench_dra's run). A node whose kubelet never registers it still gets
@@ -159,11 +159,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self._waiting_changed = asyncio.Event()
         self.bind_failed: dict[str, float] = {}  # address -> when its group would not go to vfio-pci (monotonic)
         self.inventory: dict[str, dra_slice.Published] = {}  # slice device name -> what it is, as last published
-        self.health = Health(self.sysfs_root, self.dev_root)
-        self.unhealthy: dict[str, str] = {}  # address -> why, of devices withdrawn from the slice for their health
-        self.device_health: dict[str, str] = {}  # slice device name -> its problem ("" = fine), as the kubelet hears it
-        self._health_changed = asyncio.Event()  # set (and replaced) when device_health changes
-        self._closing = asyncio.Event()  # set at shutdown: health streams end
+        self.health = HealthWatch(node_name, Health(self.sysfs_root, self.dev_root))
         self._candidates: dict[str, int] = {}  # address -> IOMMU group, of what the last pass would publish
         self.discovery: Discovery | None = None
         self.prepared: dict[str, PreparedClaim] = load_checkpoint(self.plugin_dir)
@@ -194,7 +190,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         dials the endpoint as soon as it sees the registration)."""
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self.registration_socket.parent.mkdir(parents=True, exist_ok=True)
-        self._closing.clear()
+        self.health.closing.clear()
         for path, adds in ((self.endpoint, (dra_grpc.add_DRAPluginServicer_to_server,
                                             health_grpc.add_DRAResourceHealthServicer_to_server)),
                            (self.registration_socket, (reg_grpc.add_RegistrationServicer_to_server,))):  # fmt: skip
@@ -215,7 +211,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         log.info("DRA driver %s serving on %s, registration at %s", DRIVER, self.endpoint, self.registration_socket)
 
     async def close(self) -> None:
-        self._closing.set()  # health streams end with OK within the grace below, not cut off
+        self.health.closing.set()  # health streams end with OK within the grace below, not cut off
         for server in self._servers:
             await server.stop(0.2)
         self._servers.clear()
@@ -316,9 +312,9 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                                                       claimed, roots)
                      if p.device.address not in self.elsewhere]  # fmt: skip
         self._candidates = {p.device.address: p.device.iommu_group for p in published}
-        self._judge_health()
+        await self.health.judge(self._candidates, self._prepared_devices())
         # An ill device stays, tainted (the scheduler and the pods say why); one gone leaves.
-        marks = {address: dra_health.taint(why) for address, why in self.unhealthy.items()}
+        marks = {address: dra_health.taint(why) for address, why in self.health.unhealthy.items()}
         marks = {**{a: dra_health.BIND_FAILED_TAINT for a in self._bind_failed_now()}, **marks}
         withdrawn = [p for p in published if p.device.address in marks and marks[p.device.address] is None]
         published = [dataclasses.replace(p, taint=marks.get(p.device.address)) for p in published if p not in withdrawn]
@@ -404,62 +400,22 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             self._neighbours.pop(name, None)
         return now != before
 
-    def _judge_health(self) -> bool:
-        """Read the health of every device a pass would publish or a prepared claim holds; True
-        when the slice's share of it changed. An unhealthy device is tainted in the slice (no new
-        claim gets it; NoExecute evicts the pods of one that fell off the bus), one gone from the
-        bus withdrawn, until it recovers (`dra.health.taint`); the kubelet hears of every change
-        (`_report_health`)."""
-        watched = dra_health.watched(self._candidates, self._prepared_devices(), self.node_name)
-        problems = {name: self.health.hardware_problem(address, group) for name, (address, group) in watched.items()}
-        self._report_health(problems)
-        found = {address: problems[name] for name, (address, _) in watched.items()
-                 if problems[name] and address in self._candidates}  # fmt: skip
-        if found == self.unhealthy:
-            return False
-        for address, why in found.items():
-            if self.unhealthy.get(address) != why:
-                if (mark := dra_health.taint(why)) is None:
-                    log.warning("withdrew %s from the ResourceSlice: %s", address, why)
-                else:
-                    log.warning("tainted %s %s=%s:%s in the ResourceSlice: %s", address, *mark, why)
-        for address in self.unhealthy.keys() - found.keys():
-            log.info("%s is healthy again: back in the ResourceSlice, untainted", address)
-        self.unhealthy = found
-        return True
-
     async def _watch_health(self) -> None:
         """Between passes: a device that falls ill (or recovers) asks for a pass at once."""
         while True:
             await asyncio.sleep(HEALTH_POLL)
-            if self._judge_health():
+            if await self.health.judge(self._candidates, self._prepared_devices()):
                 self.trigger()
 
     def _prepared_devices(self) -> list[dict[str, Any]]:
         return [device for claim in self.prepared.values() for device in claim.devices]
 
-    def _report_health(self, problems: dict[str, str]) -> None:
-        """Keep what the kubelet hears; wake its streams when that changed."""
-        if problems == self.device_health:
-            return
-        for name in sorted(problems.keys() & self.device_health.keys()):
-            if bool(problems[name]) != bool(self.device_health[name]):
-                log.info("telling the kubelet %s is %s", name, f"unhealthy: {problems[name]}" if problems[name] else "healthy")
-        self.device_health = problems
-        self._health_changed.set()
-        self._health_changed = asyncio.Event()
-
     # -- the DRAResourceHealth service -----------------------------------------------------------
 
     async def NodeWatchResources(self, request, context):
-        """The kubelet's health stream: every device's health at once, then again on each change
-        and every `dra_health.RESEND` seconds (the kubelet counts a device it has not heard of
-        within the timeout as Unknown); ends with OK when the driver shuts down."""
-        log.info("the kubelet watches the health of %d device(s)", len(self.device_health))
-        while not self._closing.is_set():
-            changed = self._health_changed
-            yield dra_health.response(self.node_name, self.device_health, time.time())
-            await _first(changed, self._closing, timeout=dra_health.RESEND)
+        """The kubelet's health stream (`HealthWatch.stream`); ends with OK when the driver shuts down."""
+        async for report in self.health.stream():
+            yield report
 
     async def _give_back(self, published: list[dra_slice.Published], keep: list[dra_slice.Published] = ()) -> None:
         """Groups this driver bound that nothing published and no prepared claim needs: back to
@@ -561,7 +517,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         if item.namespace and item.namespace != namespace:
             raise PrepareError(f"device {item.name} ({item.device.address}) belongs to namespace {item.namespace}: "
                                f"a claim of {namespace} never gets it")  # fmt: skip
-        if (why := self.unhealthy.get(item.device.address)) is not None:
+        if (why := self.health.unhealthy.get(item.device.address)) is not None:
             # Allocated before it fell ill (a taint keeps no claim from what it has): no
             # VM starts on it; the kubelet retries, and it is prepared once it recovers.
             raise PrepareError(f"device {item.name} ({item.device.address}) is unhealthy: {why}; the claim is "
@@ -709,16 +665,6 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
 
     def _cdev(self, address: str) -> str:
         return vfio.iommufd_device(self.sysfs_root, self.dev_root, address)
-
-async def _first(*events: asyncio.Event, timeout: float) -> None:
-    """Until one of `events` is set, or `timeout` seconds pass."""
-    waits = [asyncio.create_task(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in waits:
-            task.cancel()
-
 
 class PrepareError(RuntimeError):
     """A claim cannot be prepared (or unprepared) here; the kubelet reports the message on the pod."""

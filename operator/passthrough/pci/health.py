@@ -49,10 +49,12 @@ class Health:
         self._last: dict[tuple[str, str], str] = {}
         self._ports: dict[str, str] = {}  # address -> the sysfs directory of its root port ("" none)
 
-    async def problems(self, devices: Mapping[str, int], deadline: float = ANSWER_DEADLINE) -> dict[str, str]:
+    async def problems(self, devices: Mapping[str, int], deadline: float = ANSWER_DEADLINE,
+                       binding: bool = True) -> dict[str, str]:  # fmt: skip
         """`problem` of each address (-> its IOMMU group), read in threads: address -> why it
-        cannot be used now ("" when it can). Two reads a device: its config space and link (which
-        wait while the kernel holds config access) and the rest (presence, AER counters: kernel
+        cannot be used now ("" when it can); with `binding` False, `hardware_problem`'s (a group
+        that DRA binds only at a claim's prepare). Two reads a device: its config space and link
+        (which wait while the kernel holds config access) and the rest (presence, AER counters: kernel
         memory, never waiting), so that an AER error shows even while the kernel resets the link
         it came with. Returns once every read returned, at the latest after POLL_WAIT: a read
         still in flight then answers with its device's last word until `deadline` has passed
@@ -60,7 +62,8 @@ class Health:
         loop = asyncio.get_running_loop()
         reads = {}  # two polls at once (a scan's and the watch's) share the reads in flight
         for address, group in devices.items():
-            for part, check in (("config", self._config_part), ("counters", self._counters_part)):
+            for part, check in (("config", self._config_part if binding else self._config_hardware),
+                                ("counters", self._counters_part)):  # fmt: skip
                 if (address, part) not in self._reading:
                     self._reading[address, part] = (time.monotonic(), self._read(loop, check, address, group))
                 reads[address, part] = self._reading[address, part]
@@ -115,6 +118,9 @@ class Health:
 
     def _config_part(self, address: str, group: int) -> str:
         return self._members(address, group, self._config_problem) or group_problem(self.sysfs_root, self.dev_root, group)
+
+    def _config_hardware(self, address: str, group: int) -> str:
+        return self._members(address, group, self._config_problem)
 
     def _counters_part(self, address: str, group: int) -> str:
         return self._members(address, group, self._aer_problem)
