@@ -1,11 +1,9 @@
-"""The control-plane build cache: complete entries are reused, anything else is rebuilt."""
+"""The control-plane build cache: complete entries are reused, anything else is rebuilt (the
+runner itself: tests/unit/test_gobuild.py)."""
 
 import json
-import sys
 
-import pytest
-
-from e2e import build
+from e2e import build, gobuild
 
 
 def _entry(tmp_path):
@@ -13,7 +11,7 @@ def _entry(tmp_path):
     (directory / "bin").mkdir(parents=True)
     for name in build.BINARIES:
         (directory / "bin" / name).write_bytes(b"\x7fELF" + name.encode())
-    (directory / "manifest.json").write_text(json.dumps(build._manifest(directory / "bin")))
+    (directory / "manifest.json").write_text(json.dumps(gobuild.manifest(directory / "bin", build.BINARIES)))
     return directory
 
 
@@ -52,15 +50,6 @@ def test_cache_key_changes_with_the_pinned_release(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "MODULES", modules)
     assert build.cache_key() != before
     assert build.kubernetes_version().startswith("v9.")
-
-
-def test_a_failed_step_names_the_step_and_its_log(tmp_path):
-    log = tmp_path / "build.log"
-    with pytest.raises(build.BuildError) as err:
-        build._step("build kube-apiserver", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], tmp_path, log)
-    message = str(err.value)
-    assert "build kube-apiserver" in message and str(log) in message and "exit 3" in message
-    assert "boom" in log.read_text()
 
 
 def test_pinned_releases_are_current_enough():
