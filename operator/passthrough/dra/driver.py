@@ -14,11 +14,11 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
   groups this driver bound that no published device and no prepared claim needs go back to their
   drivers.
 - Health (`dra.healthwatch`): every 0.5 s, the hardware of each device offered, withdrawn or
-  held by a prepared claim, read in threads, never in the event loop. An ill one is tainted in the slice, NoSchedule
-  (no new claim gets it) or NoExecute when it fell off the bus (kube-controller-manager evicts
-  the pods of the claims that hold it), and is reported Unhealthy, with why, to the kubelet (the
-  pods that hold it show it); untainted and Healthy when it recovers (`dra.health`). One gone
-  from the bus leaves the slice.
+  held by a prepared claim, read in threads (never in the event loop: a reset holds config
+  access). An ill one is tainted in the slice, NoSchedule (no new claim gets it) or NoExecute
+  when it fell off the bus (kube-controller-manager evicts the pods of the claims that hold it),
+  and is reported Unhealthy, with why, to the kubelet (the pods that hold it show it);
+  untainted and Healthy when it recovers (`dra.health`). One gone from the bus leaves the slice.
 - Binding conditions (`dra.binding`): each device in the slice carries `VFIOBound` (and the
   failure condition `VFIOBindFailed`), so the scheduler binds a pod allocated it only once the
   driver has moved the whole IOMMU group to vfio-pci and said so in the claim's status.devices;
@@ -28,7 +28,9 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
   BIND_FAILED_HOLD seconds, so that try goes elsewhere.
 - Prepare: the same binder child as the device plugins (`pci.binder.Binder`), a no-op for a group
   its binding condition already moved; what it moved is recorded (`agent.bound.Bound`, in the
-  plugin directory) so only that is ever given back.
+  plugin directory) so only that is ever given back: each bind as intended before the job, and
+  settled from the driver links at the next pass, so a bind whose answer was lost (a restart
+  while the write was blocked) is given back all the same, as in device-plugin mode.
   Prepared claims are kept in `checkpoint.json` there (`dra.prepared`, with the files they
   leave): a repeated prepare (kubelet retry or restart) answers the same, an unprepare after
   our own restart finds its files.
@@ -421,11 +423,13 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         """Groups this driver bound that nothing published and no prepared claim needs: back to
         their drivers. `keep`: withdrawn for their health, left as they are (an unbind of a device
         that fell off the bus is no give-back)."""
-        if not self.bound.devices or self.discovery is None:
-            return
         needed = {p.device.iommu_group for p in [*published, *keep]}
         needed |= {d["iommu_group"] for claim in self.prepared.values() for d in claim.devices}
-        async with self._lock:
+        async with self._lock:  # no bind in flight: its members are intended, not yet settled
+            self.bound.add(self.binder.take_late_moved())  # a write past its deadline that returned moved these
+            self.bound.settle(self.sysfs_root)  # binds whose answer was lost (a restart mid-write), from the driver links
+            if not self.bound.devices or self.discovery is None:
+                return
             for group, members in sorted(self._groups().items()):
                 mine = [a for a in members if a in self.bound]
                 if group in needed or not mine:
@@ -541,6 +545,9 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         done = []
         for group in sorted({item.device.iommu_group for item in items}):
             members = groups.get(group, [])
+            # Recorded before the job: should its answer be lost (the agent restarts while the
+            # write is blocked), what it moved is still this driver's to give back.
+            self.bound.intend(self.sysfs_root, members)
             try:
                 _, moved = await self.binder.bind(self.sysfs_root, self.dev_root, group, members, self.bind_timeout)
             except BindError as exc:
