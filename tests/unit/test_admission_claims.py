@@ -185,3 +185,37 @@ def test_the_owner_of_a_class_follows_from_its_name_alone():
     # A passthrough- class that is no namespace's is judged only for adminAccess.
     odd = devices({"name": "gpu", "exactly": {"deviceClassName": "passthrough-a.b"}})
     assert claims.judge_claim("ResourceClaim", "team-b", "x", odd).allowed
+
+
+# -- steering a claim to the devices it may have ----------------------------------------------
+
+
+def test_steering_keeps_a_request_to_its_namespaces_devices_and_the_pools_and_leaves_other_drivers_alone():
+    expression = claims.steering("team-b")["cel"]["expression"]
+    assert expression == (f'device.driver != "{DRIVER}" || device.attributes["passthrough.io"].namespace == "team-b" '
+                          '|| device.attributes["passthrough.io"].namespace == ""')  # fmt: skip
+
+
+def test_each_request_and_subrequest_through_another_class_is_steered_once():
+    mine = claims.steering("team-b")
+    own = {"cel": {"expression": "device.attributes['x'].model == 'A10'"}}
+    devices = {"requests": [
+        {"name": "any", "exactly": {"deviceClassName": "gpus", "selectors": [own], "count": 2}},
+        {"name": "first", "firstAvailable": [{"name": "a", "deviceClassName": "gpus"}, {"name": "p", "deviceClassName": claims.POOL_CLASS}]},
+        {"name": "pool", "exactly": {"deviceClassName": "passthrough-team-b"}},
+    ], "constraints": [{"matchAttribute": "resource.kubernetes.io/pcieRoot"}]}  # fmt: skip
+    steered = claims.steer("team-b", devices)
+    assert steered["requests"][0]["exactly"] == {"deviceClassName": "gpus", "selectors": [own, mine], "count": 2}
+    assert steered["requests"][1]["firstAvailable"] == [
+        {"name": "a", "deviceClassName": "gpus", "selectors": [mine]}, {"name": "p", "deviceClassName": claims.POOL_CLASS}]
+    # A passthrough- class already keeps to one namespace's devices (or the pool's).
+    assert steered["requests"][2] == devices["requests"][2]
+    assert steered["constraints"] == devices["constraints"]
+    # The claim kube-controller-manager makes from a steered template is left as it is.
+    assert claims.steer("team-b", steered) == steered
+    assert devices["requests"][0]["exactly"]["selectors"] == [own]  # the input is not changed
+
+
+def test_nothing_to_steer_in_a_claim_without_devices():
+    assert claims.steer("team-b", None) is None
+    assert claims.steer("team-b", {}) == {}

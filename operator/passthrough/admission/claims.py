@@ -14,6 +14,10 @@ agent's ResourceSlices may be allocated it. Two gates keep a claim of namespace 
   device another claim holds). Whose class it is follows from its name (`class_owner`), not from
   the class: a claim made before the class exists is allocated the moment it appears.
 
+Before both, the claim is steered (`steer`): each request through any other class gets a selector
+keeping it to its namespace's devices and the pool's, so the scheduler finds an allowed device
+itself where one is free; the allocation gate stays the second line.
+
 `admission.webhook` feeds them from the operator's indexes.
 """
 
@@ -26,7 +30,7 @@ from typing import Any
 from passthrough.admission.rules import Verdict
 from passthrough.api.names import DNS1123_LABEL, DNS1123_LABEL_MAX
 from passthrough.api.views import NodeDevice
-from passthrough.dra.slice import DRIVER, device_name
+from passthrough.dra.slice import DOMAIN, DRIVER, device_name
 
 # The prefix of the DeviceClasses that select passthrough devices (the operator's per-namespace
 # classes are `passthrough-<namespace>`).
@@ -204,6 +208,46 @@ def class_owner(device_class: str) -> str:
     if rest == device_class or len(rest) > DNS1123_LABEL_MAX or not re.match(DNS1123_LABEL, rest):
         return ""
     return rest
+
+
+def steering(namespace: str) -> dict[str, Any]:
+    """The selector that keeps a request of `namespace` to the devices of ours it may be allocated:
+    those the agents publish for `namespace` and the pool's (`passthrough.io/namespace` "", as
+    `dra.slice` writes it). Other drivers' devices pass untouched. A namespace name is a DNS label:
+    nothing in it needs quoting in CEL."""
+    mine = f'device.attributes["{DOMAIN}"].namespace'
+    return {"cel": {"expression": f'device.driver != "{DRIVER}" || {mine} == "{namespace}" || {mine} == ""'}}
+
+
+def _steered(request: Mapping[str, Any], selector: Mapping[str, Any]) -> dict[str, Any]:
+    """`request` (an `exactly` or a subrequest) with `selector` among its selectors, once."""
+    selectors = _list(request.get("selectors"))
+    return dict(request) if selector in selectors else {**request, "selectors": [*selectors, dict(selector)]}
+
+
+def steer(namespace: str, devices: Any) -> Any:
+    """A claim's `spec.devices` (or a template's `spec.spec.devices`) with the namespace's
+    `steering` selector added to each request and each `firstAvailable` subrequest, so that the
+    scheduler looks only at devices the allocation gate would let through and finds an allowed one
+    where there is one, instead of picking another namespace's and being refused. A request that
+    names a passthrough- class is left as it is (that class already keeps to one namespace's
+    devices or the pool's, and another namespace's is refused by `judge_claim`); adding the
+    selector again changes nothing, so a claim made from a steered template stays as it is."""
+    if not isinstance(devices, Mapping):
+        return devices
+    selector, requests_ = steering(namespace), []
+    for request in _list(devices.get("requests")):
+        request = dict(_mapping(request))
+        exactly = _mapping(request.get("exactly"))
+        if exactly and not passthrough_class(str(exactly.get("deviceClassName") or "")):
+            request["exactly"] = _steered(exactly, selector)
+        if isinstance(request.get("firstAvailable"), list):
+            request["firstAvailable"] = [
+                _steered(_mapping(sub), selector) if not passthrough_class(str(_mapping(sub).get("deviceClassName") or "")) else sub
+                for sub in request["firstAvailable"]
+            ]  # fmt: skip
+        requests_.append(request)
+    return {**devices, "requests": requests_} if "requests" in devices else dict(devices)
 
 
 def judge_claim(kind: str, namespace: str, name: str, devices: Any) -> Verdict:

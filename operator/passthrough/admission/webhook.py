@@ -34,6 +34,9 @@ VMI = "validate-vmi"
 CLAIM = "validate-resourceclaim"
 CLAIM_TEMPLATE = "validate-resourceclaimtemplate"
 CLAIM_ALLOCATION = "validate-resourceclaim-allocation"
+# The mutating webhooks that steer a claim's (or template's) requests to the namespace's devices.
+STEER_CLAIM = "steer-resourceclaim"
+STEER_CLAIM_TEMPLATE = "steer-resourceclaimtemplate"
 # The mutating webhook that dates a NodePCIDevice's assignment (its ASSIGNED_AT annotation).
 ASSIGNMENT = "date-assignment"
 # The Nodes in GPU passthrough mode, whose unassigned GPUs are the pool any claim may have.
@@ -53,7 +56,7 @@ class _RefusalsAreNotErrors(logging.Filter):
     a refusal is the webhook doing its job, logged at INFO here with who asked. Real failures
     (exceptions) still reach the log."""
 
-    PREFIXES = tuple(f"Webhook {id!r} failed permanently:" for id in (POD, VM, VMI, CLAIM, CLAIM_TEMPLATE, CLAIM_ALLOCATION, ASSIGNMENT))
+    PREFIXES = tuple(f"Webhook {id!r} failed permanently:" for id in (POD, VM, VMI, CLAIM, CLAIM_TEMPLATE, CLAIM_ALLOCATION, ASSIGNMENT, STEER_CLAIM, STEER_CLAIM_TEMPLATE))
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info is None and str(record.msg).startswith(self.PREFIXES))
@@ -258,3 +261,21 @@ async def validate_claim_template(
 ) -> None:  # fmt: skip
     verdict = claims.judge_claim("ResourceClaimTemplate", namespace, name, claims.template_devices(dict(spec)))
     _answer("ResourceClaimTemplate", verdict, warnings, userinfo)
+
+
+@kopf.on.mutate("resource.k8s.io", "v1", "resourceclaims", id=STEER_CLAIM, operations=["CREATE"])
+async def steer_claim(spec: kopf.Spec, namespace: str, patch: kopf.Patch, **_: Any) -> None:
+    """A claim's spec cannot change once made: it is steered as it is created (by a tenant, by
+    kube-controller-manager from a template, by the scheduler for an extended resource)."""
+    devices = dict(spec).get("devices")
+    steered = claims.steer(namespace, devices)
+    if steered != devices:
+        patch.spec["devices"] = steered
+
+
+@kopf.on.mutate("resource.k8s.io", "v1", "resourceclaimtemplates", id=STEER_CLAIM_TEMPLATE, operations=["CREATE"])
+async def steer_claim_template(spec: kopf.Spec, namespace: str, patch: kopf.Patch, **_: Any) -> None:
+    devices = claims.template_devices(dict(spec))
+    steered = claims.steer(namespace, devices)
+    if steered != devices:
+        patch.spec["spec"] = {"devices": steered}
