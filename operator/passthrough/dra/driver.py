@@ -40,9 +40,9 @@ hands the container its /dev/vfio nodes and the KEP-5304 metadata file through C
   one holds it or another member of its IOMMU group (an allocation the scheduler wrote twice, or
   a claim freed by a force-deleted pod before the kubelet unprepared it: the kubelet retries,
   and the second claim is prepared once the first is unprepared).
-- One device, one server (`dra.others`): each pass asks the kubelet's PodResources which devices
-  device plugins serve (in DRA mode none of theirs is ours) and reads the other DRA drivers'
-  slices of this node (a watch); such a device and its IOMMU group leave the slice, are never
+- One device, one server (`dra.elsewhere`, judged by `dra.others`): each pass asks the
+  kubelet's PodResources which devices device plugins serve (in DRA mode none of theirs is
+  ours) and reads the other DRA drivers' slices of this node (a watch); such a device and its IOMMU group leave the slice, are never
   prepared or bound, and the agent's report says ServedByOtherPlugin (`elsewhere`).
 """
 
@@ -66,16 +66,14 @@ import grpc
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.bound import Bound
-from passthrough.agent.handover import served_elsewhere
 from passthrough.api.labels import NODE_LABEL
 from passthrough.api.names import NODE_PCI_DEVICE_PLURAL
-from passthrough.deviceplugin.podresources import Asker
 from passthrough.dra import binding as dra_binding
 from passthrough.dra import cdi
 from passthrough.dra import health as dra_health
 from passthrough.dra.healthwatch import HEALTH_POLL, HealthWatch, first as _first
-from passthrough.dra import others as dra_others
 from passthrough.dra import slice as dra_slice
+from passthrough.dra.elsewhere import OtherServers
 from passthrough.dra.prepared import PreparedClaim, holder, load_checkpoint, remove_files, save_checkpoint, write_files
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
@@ -85,7 +83,6 @@ from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2_grpc as reg
 from passthrough.kube.cache import Informer, Mirror
 from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
 from passthrough.kube.custom import AGENT_MANAGER, Custom
-from passthrough.kube.watch import watch_events
 from passthrough.pci.binder import DEADLINE, Binder
 from passthrough.pci.discovery import BRIDGE_CLASS, Discovery, discover
 from passthrough.pci.health import Health
@@ -175,15 +172,23 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self._seen: tuple[dict[str, str], frozenset[str]] | None = None  # the hand-outs the last pass saw
         self._desired: list[dict[str, Any]] | None = None  # the pool's slice specs the last pass wanted
         self._node_uid = ""
-        self.pod_resources_socket = Path(kubelet_dir) / "pod-resources" / "kubelet.sock"
-        self.elsewhere: dict[str, BindError] = {}  # address -> why another server has it (`dra.others`), last pass
-        self.on_elsewhere_change = None  # called when `elsewhere` changed (the agent reports it)
-        self._neighbours: dict[str, dict[str, str]] = {}  # other drivers' slice of this node -> address -> who
-        self._neighbours_listed = asyncio.Event()
-        self._pod_resources = Asker(self.pod_resources_socket, "publishing as if no other device plugin served any device")
+        self.others = OtherServers(self.session, node_name, Path(kubelet_dir) / "pod-resources" / "kubelet.sock", self.trigger)
 
     def trigger(self, *_: Any) -> None:
         self._wake.set()
+
+    @property
+    def elsewhere(self) -> dict[str, BindError]:
+        """Address -> why another server has it (`dra.elsewhere`), as the last pass or prepare judged."""
+        return self.others.elsewhere
+
+    @property
+    def on_elsewhere_change(self) -> Callable[[], None] | None:
+        return self.others.on_change
+
+    @on_elsewhere_change.setter
+    def on_elsewhere_change(self, call: Callable[[], None] | None) -> None:
+        self.others.on_change = call
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -239,13 +244,13 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         background = [asyncio.create_task(self.devices.run(), name="dra-devices"),
                       asyncio.create_task(self.slices.run(), name="dra-slices"),
                       asyncio.create_task(self._watch_health(), name="dra-health"),
-                      asyncio.create_task(self._watch_neighbours(), name="dra-neighbours"),
+                      asyncio.create_task(self.others.watch(), name="dra-neighbours"),
                       asyncio.create_task(self.claims.run(), name="dra-claims"),
                       asyncio.create_task(self._answer_claims(), name="dra-binding")]  # fmt: skip
         try:
             await self.devices.synced.wait()
             await self.slices.synced.wait()
-            await self._neighbours_listed.wait()
+            await self.others.listed.wait()
             await _first(self.registered, timeout=REGISTRATION_WAIT)
             if not self.registered.is_set():
                 log.warning("the kubelet has not registered DRA driver %s after %.0fs (is it running, and is %s its "
@@ -308,7 +313,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self.discovery = discovery
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         self._seen = handed, claimed = self._assignments()
-        self._judge_elsewhere(discovery, await self._served_by_plugins())
+        self.others.judge(discovery, await self.others.served_by_plugins())
         roots = {address: self._pcie_root(address) for address in names}
         published = [p for p in dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(meta.get("labels")),
                                                       claimed, roots)
@@ -344,63 +349,6 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         await self._give_back(published, keep=[*withdrawn, *theirs])
         log.debug("%s %d: %d ResourceSlice writes", PASS_LOGGED, self.passes, writes)
         return writes
-
-    # -- other servers -------------------------------------------------------------------------
-
-    async def _served_by_plugins(self) -> dict[str, str]:
-        """Address -> the device plugin resources the kubelet serves it under (none is ours in DRA
-        mode). When the kubelet cannot answer, none, as the device-plugin mode takes it, said once."""
-        return served_elsewhere(await self._pod_resources.ask(), ())
-
-    def _judge_elsewhere(self, discovery: Discovery, plugins: dict[str, str]) -> dict[str, BindError]:
-        """Keep what other servers have (`elsewhere`), saying what changed; returns it."""
-        found = dra_others.elsewhere(discovery.devices, plugins, dra_others.merged(self._neighbours.values()))
-        if {a: str(e) for a, e in found.items()} != {a: str(e) for a, e in self.elsewhere.items()}:
-            for address in sorted(found.keys() - self.elsewhere.keys()):
-                log.warning("left %s out of the ResourceSlice: %s", address, found[address])
-            for address in sorted(self.elsewhere.keys() - found.keys()):
-                log.info("no other server has %s now: it is ours to publish again", address)
-            self.elsewhere = found
-            self.trigger()  # found between passes (at a prepare): the slice follows at once
-            if self.on_elsewhere_change is not None:
-                self.on_elsewhere_change()
-        return found
-
-    async def _watch_neighbours(self) -> None:
-        """The other DRA drivers' slices of this node (a list, then a watch from it; again after
-        trouble): a change of the addresses they publish asks for a pass."""
-        path = "/apis/resource.k8s.io/v1/resourceslices"
-        selector = f"spec.nodeName={self.node_name}"
-        backoff = 1.0
-        while True:
-            try:
-                listed = await self.session.request("GET", path, query={"fieldSelector": selector})
-                self._neighbours = {o["metadata"]["name"]: dra_others.by_other_drivers([o], self.node_name)
-                                    for o in listed.get("items") or []}  # fmt: skip
-                self._neighbours_listed.set()
-                self.trigger()
-                version = (listed.get("metadata") or {}).get("resourceVersion", "")
-                async for kind, obj in watch_events(self.session, path, fieldSelector=selector, resourceVersion=version):
-                    if kind != "BOOKMARK" and self._neighbour_seen(kind, obj):
-                        self.trigger()
-                backoff = 1.0
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a dropped connection, an expired version: list again
-                log.debug("watch of %s's ResourceSlices ended (%s); again in %.0fs", self.node_name, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30)
-
-    def _neighbour_seen(self, kind: str, body: dict[str, Any]) -> bool:
-        """Take one watch event in; True when the addresses other drivers publish changed."""
-        name = (body.get("metadata") or {}).get("name", "")
-        before = self._neighbours.get(name, {})
-        now = {} if kind == "DELETED" else dra_others.by_other_drivers([body], self.node_name)
-        if now:
-            self._neighbours[name] = now
-        else:
-            self._neighbours.pop(name, None)
-        return now != before
 
     async def _watch_health(self) -> None:
         """Between passes: a device that falls ill (or recovers) asks for a pass at once."""
@@ -491,7 +439,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
                        if r.get("driver") == DRIVER and r.get("pool") == self.node_name]  # fmt: skip
             if not results:
                 raise PrepareError(f"claim {namespace}/{name} has no device of {DRIVER} on node {self.node_name} allocated")
-            elsewhere = await self._elsewhere_now()
+            elsewhere = await self.others.now(self.discovery)
             chosen = [(result, self._judge(namespace, uid, result.get("device", ""), bool(result.get("adminAccess")), elsewhere))
                       for result in results]  # fmt: skip
             await self._bind_groups([item for _, item in chosen])
@@ -595,7 +543,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         answers: dict[str, dict[str, Any]] = {}
         async with self._lock:
-            elsewhere = await self._elsewhere_now()
+            elsewhere = await self.others.now(self.discovery)
             items = []
             for _, device, admin_access in claim.devices:
                 try:
@@ -635,12 +583,6 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
             del self.bind_failed[address]
             log.info("%s is offered again, untainted, %.0fs after its group would not go to vfio-pci", address, BIND_FAILED_HOLD)
         return sorted(self.bind_failed)
-
-    async def _elsewhere_now(self) -> dict[str, BindError]:
-        """What other servers have, asked again: a plugin may have registered since the last pass."""
-        if self.discovery is None:
-            return dict(self.elsewhere)
-        return self._judge_elsewhere(self.discovery, await self._served_by_plugins())
 
     async def _claim(self, namespace: str, name: str, uid: str) -> dict[str, Any]:
         try:
