@@ -32,6 +32,8 @@ CASES = {
     },
     "vgpu": {"gpu": {"variant": "vgpu", "permittedHostDevices": {"mediatedDevices": [
         {"mdevNameSelector": "GRID T4-1Q", "resourceName": "nvidia.com/GRID_T4-1Q"},
+    ]}, "mediatedDevicesConfiguration": {"mediatedDeviceTypes": ["nvidia-222"], "nodeMediatedDeviceTypes": [
+        {"nodeSelector": {"nvidia.com/gpu.product": "Tesla-T4"}, "mediatedDeviceTypes": ["nvidia-222", "nvidia-223"]},
     ]}}},
     "empty allow-list": {"gpu": {"replaceDefaults": True}},
     "dra": {"dra": {"enabled": True}, "kubevirt": {"namespace": "cozy-kubevirt"}},

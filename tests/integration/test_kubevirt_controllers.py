@@ -281,3 +281,32 @@ async def test_two_vms_for_one_device_one_runs_and_the_other_is_told_which_holds
     assert [p.metadata.name for p in pods.items] == [pod.metadata.name]
     world.kubectl("delete", "vm", "first", "-n", namespace, "--wait=false")
     await support.assign(api, gpu, "")
+
+
+async def test_the_values_vgpu_types_reach_the_kubevirt_cr_past_kubevirts_validator_and_leave_with_them(api, controllers, configured):
+    """gpu.mediatedDevicesConfiguration is written to the live CR as Cozystack's chart writes it;
+    every write meets virt-operator's own update admitter, and clearing the values removes it."""
+    kubevirts = Custom(api, "kubevirts", namespaced=True, group="kubevirt.io", version="v1")
+    types = {"mediatedDeviceTypes": ["nvidia-222"], "nodeMediatedDeviceTypes": [
+        {"nodeSelector": {"nvidia.com/gpu.product": "Tesla-T4"}, "mediatedDeviceTypes": ["nvidia-222", "nvidia-223"]}]}  # fmt: skip
+    body = {"apiVersion": "passthrough.io/v1alpha1", "kind": "PassthroughConfig", "metadata": {"name": "cluster"},
+            "spec": {"gpu": {"mediatedDevicesConfiguration": types}}}  # fmt: skip
+    validator = controllers.cluster.kubectl("get", "validatingwebhookconfiguration", "virt-operator-validator", "-o", "name", check=False)
+    assert validator.returncode == 0, validator.stderr  # KubeVirt's update admitter is registered: the writes below meet it
+
+    def carried(want):
+        async def check():
+            configuration = ((await kubevirts.get("kubevirt", virt.NAMESPACE)) or {}).get("spec", {}).get("configuration", {})
+            return configuration.get("mediatedDevicesConfiguration") == want
+
+        return check
+
+    try:
+        await configured.apply(body, "admin")
+        await support.wait_for(carried(types), 30, 0.2, what="mediatedDevicesConfiguration on the KubeVirt CR")
+        status = (await configured.get("cluster"))["status"]
+        applied = next(c for c in status["conditions"] if c["type"] == "Applied")
+        assert applied["status"] == "True", applied
+    finally:
+        await configured.apply({**body, "spec": {}}, "admin")
+    await support.wait_for(carried(None), 30, 0.2, what="mediatedDevicesConfiguration gone from the KubeVirt CR")

@@ -337,6 +337,30 @@ class KubeVirtTarget(APIModel):
     )
 
 
+class NodeMediatedDeviceTypes(APIModel):
+    """One nodeMediatedDeviceTypes entry of KubeVirt's mediatedDevicesConfiguration."""
+
+    nodeSelector: dict[Annotated[str, Field(max_length=QUALIFIED_NAME_MAX)], Annotated[str, Field(max_length=DNS1123_LABEL_MAX)]] = Field(
+        description="Node labels that pick the nodes these types are created on, e.g. nvidia.com/gpu.product: NVIDIA-L40S."
+    )  # fmt: skip
+    mediatedDeviceTypes: list[Annotated[str, Field(min_length=1, max_length=PCI_IDS_NAME_MAX)]] = Field(
+        max_length=MAX_ALLOW_LIST,
+        description="mdev type names (mdev_supported_types), e.g. nvidia-740; on these nodes they replace mediatedDeviceTypes.",
+    )
+
+
+class MediatedDevicesConfiguration(APIModel):
+    """KubeVirt's mediatedDevicesConfiguration: which mdev types virt-handler creates, cluster-wide
+    or on the nodes a selector picks."""
+
+    mediatedDeviceTypes: list[Annotated[str, Field(min_length=1, max_length=PCI_IDS_NAME_MAX)]] = Field(
+        default_factory=list, max_length=MAX_ALLOW_LIST, description="mdev type names created on every node, e.g. nvidia-740."
+    )
+    nodeMediatedDeviceTypes: list[NodeMediatedDeviceTypes] = Field(
+        default_factory=list, max_length=MAX_ALLOW_LIST, description="mdev types for the nodes each selector picks."
+    )
+
+
 class GPUValues(APIModel):
     """How GPUs are given to VMs, and which models KubeVirt allows."""
 
@@ -349,6 +373,11 @@ class GPUValues(APIModel):
     )
     permittedHostDevices: PermittedHostDevices = _defaulted(
         PermittedHostDevices, "Allow-list entries besides (or, with replaceDefaults, instead of) the default NVIDIA table."
+    )
+    mediatedDevicesConfiguration: MediatedDevicesConfiguration = Field(
+        default_factory=MediatedDevicesConfiguration,
+        description="The vGPU (mdev) types virt-handler creates on the nodes, written to the KubeVirt CR's "
+        "mediatedDevicesConfiguration as is (Cozystack's kubevirt chart takes the same value). Empty: not written.",
     )
 
 

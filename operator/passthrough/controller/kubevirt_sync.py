@@ -56,6 +56,7 @@ class KubeVirtView:
     resource_version: str = ""
     our_gates: tuple[str, ...] | None = None  # the gates we applied (our annotation), None without one of ours
     disabled_gates: tuple[str, ...] = ()  # developerConfiguration.disabledFeatureGates: never ours to write
+    mediated_devices_configuration: Mapping[str, Any] | None = None  # spec.configuration.mediatedDevicesConfiguration
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> KubeVirtView:
@@ -78,6 +79,7 @@ class KubeVirtView:
             resource_version=meta.get("resourceVersion", ""),
             our_gates=_our_gates((meta.get("annotations") or {}).get(GATES_ANNOTATION)) if GATES_ANNOTATION in owned else None,
             disabled_gates=tuple(developer.get("disabledFeatureGates") or []),
+            mediated_devices_configuration=configuration.get("mediatedDevicesConfiguration"),
         )
 
 
@@ -89,8 +91,9 @@ def _our_gates(recorded: str | None) -> tuple[str, ...] | None:
 
 def owned_by_us(managed_fields: Sequence[Mapping[str, Any]]) -> frozenset[str]:
     """What our field manager's applies own of a KubeVirt CR, from its managedFields: of our
-    three lists, the ones it owns ("pciHostDevices", "mediatedDevices", "featureGates"), and
-    GATES_ANNOTATION when the annotation that records our gates is ours."""
+    three lists, the ones it owns ("pciHostDevices", "mediatedDevices", "featureGates"),
+    "mediatedDevicesConfiguration" when it is ours, and GATES_ANNOTATION when the annotation
+    that records our gates is ours."""
     owned = set()
     for entry in managed_fields:
         if entry.get("manager") != OPERATOR_MANAGER or entry.get("operation") != "Apply":
@@ -101,6 +104,8 @@ def owned_by_us(managed_fields: Sequence[Mapping[str, Any]]) -> frozenset[str]:
         owned |= {key[2:] for key in permitted if key in ("f:pciHostDevices", "f:mediatedDevices")}
         if "f:featureGates" in (configuration.get("f:developerConfiguration") or {}):
             owned.add("featureGates")
+        if "f:mediatedDevicesConfiguration" in configuration:
+            owned.add("mediatedDevicesConfiguration")
         if f"f:{GATES_ANNOTATION}" in ((fields.get("f:metadata") or {}).get("f:annotations") or {}):
             owned.add(GATES_ANNOTATION)
     return frozenset(owned)
@@ -240,6 +245,11 @@ def needs_apply(rendered: Rendered, live: KubeVirtView) -> bool:
                 return True
         elif key in live.owned:  # we wrote it once and must now let go of it
             return True
+    if rendered.mediated_devices_configuration:
+        if live.mediated_devices_configuration != rendered.mediated_devices_configuration:
+            return True
+    elif "mediatedDevicesConfiguration" in live.owned:  # we wrote it once and must now let go of it
+        return True
     return live.our_gates != tuple(rendered.our_feature_gates)  # the record of our gates, missing or edited
 
 

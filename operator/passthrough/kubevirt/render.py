@@ -59,6 +59,7 @@ class Rendered:
     warnings: list[str]
     left_out: dict[str, str] = field(default_factory=dict)  # assigned device -> why it has no entry
     size: int = 0  # bytes of the apply body as compact JSON (what it adds to the CR stored in etcd)
+    mediated_devices_configuration: dict = field(default_factory=dict)  # KubeVirt's shape; empty: not written
 
 
 def patch_size(patch: dict) -> int:
@@ -161,12 +162,14 @@ def render(
     dropped = set(wanted) | set(previous_gates)
     gates = ours + _unique(g for g in live_gates if g not in dropped)
     pci, mdev = plan.allow_list.pci_host_devices, plan.allow_list.mediated_devices
+    mdev_config = mediated_devices_configuration(spec)
     patch = _render_template(
         "kubevirt.yaml.j2",
         name=spec.kubevirt.name,
         namespace=spec.kubevirt.namespace,
         pci_host_devices=pci,
         mediated_devices=mdev,
+        mediated_devices_configuration=mdev_config,
         feature_gates=gates,
         our_feature_gates=ours,
         gates_annotation=GATES_ANNOTATION,
@@ -177,7 +180,22 @@ def render(
     exclusive = sum(1 for e in pci if str(e.get("resourceName", "")).startswith(EXCLUSIVE_DOMAIN + "/"))
     if (warning := size_warning(size, len(pci) + len(mdev), exclusive)) is not None:
         warnings.append(warning)
-    return Rendered(patch, gates, ours, pci, mdev, warnings, plan.allow_list.left_out, size)
+    return Rendered(patch, gates, ours, pci, mdev, warnings, plan.allow_list.left_out, size, mdev_config)
+
+
+def mediated_devices_configuration(spec: PassthroughConfigSpec) -> dict:
+    """The values' mediatedDevicesConfiguration in KubeVirt's shape, empty lists left out (so
+    server-side apply drops what this field manager wrote before); {} when there is nothing.
+    Only KubeVirt's fields: another key the values carry would be pruned from the CR by
+    KubeVirt's schema, and written again by every apply."""
+    config = spec.gpu.mediatedDevicesConfiguration
+    out: dict[str, Any] = {}
+    if config.mediatedDeviceTypes:
+        out["mediatedDeviceTypes"] = list(config.mediatedDeviceTypes)
+    if config.nodeMediatedDeviceTypes:
+        out["nodeMediatedDeviceTypes"] = [{"nodeSelector": dict(n.nodeSelector), "mediatedDeviceTypes": list(n.mediatedDeviceTypes)}
+                                          for n in config.nodeMediatedDeviceTypes]  # fmt: skip
+    return out
 
 
 def disabled_gate_warning(gate: str, spec: PassthroughConfigSpec) -> str:
@@ -199,5 +217,6 @@ def cozystack_package(rendered: Rendered) -> dict:
         "cozystack-package.yaml.j2",
         pci_host_devices=rendered.pci_host_devices,
         mediated_devices=rendered.mediated_devices,
+        mediated_devices_configuration=rendered.mediated_devices_configuration,
         feature_gates=rendered.our_feature_gates,
     )
