@@ -172,7 +172,7 @@ def test_the_agent_pod_has_only_the_privilege_binding_needs(helm):
         "/host/proc": ("/proc", "recursive"),
         "/host/usr/share": ("/usr/share", True),
         "/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
-        "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", False),
+        "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", True),  # a client only
         "/host/dev/vfio": ("/dev/vfio", True),
         "/run/passthrough": ("/run/passthrough", False),
         "/run/passthrough-binder": ("(emptyDir)", False),
