@@ -110,11 +110,12 @@ def test_a_vm_and_a_claim_are_both_named_and_the_vm_gives_the_reason():
 
 
 def test_a_claim_of_a_namespace_the_device_was_not_handed_to_counts_for_nothing():
-    """An allocation the webhook should have refused (or written around it): it neither attaches nor holds."""
+    """An allocation the webhook should have refused (or one made while the device was in the pool):
+    it is no user and keeps nothing; the admin reads its hold on the NodePCIDevice, never as AllocatedToClaim."""
     settled = converge(claimed(world(node_device("team-a")), Allocation("team-b", "stolen", ("pod thief",))))
     [pcidev] = settled.devices
     assert attached(pcidev)["status"] == "False" and "team-b" not in attached(pcidev)["message"]
-    assert settled.node_device.attached is None or settled.node_device.attached.status == "False"
+    assert settled.node_device.attached.reason == "HeldByPod"
     assert pcidev.metadata["finalizers"] == [] and FINALIZER not in settled.node_device.finalizers
 
 
@@ -153,9 +154,25 @@ def test_a_pool_gpu_names_the_claim_of_any_namespace_on_its_node_device_and_hold
     assert FINALIZER not in settled.node_device.finalizers
 
 
-def test_a_claim_of_another_namespace_is_no_pool_claim_once_the_device_is_assigned():
+def test_a_pool_claim_still_holding_the_gpu_after_its_assignment_is_reported_as_a_pool_pod_would_be():
+    """Device-plugin mode names a pool pod that still holds a device after its assignment
+    (HeldByPod) on the NodePCIDevice, and the namespace's PCIDevice says it waits without naming
+    it: a pool claim the same. It holds nothing (no finalizer), as it did in the pool."""
     settled = converge(claimed(world(node_device("team-a")), Allocation("team-c", "pool-gpu", ("pod p",))))
-    assert settled.node_device.attached is None or "team-c" not in settled.node_device.attached.message
+    assert (settled.node_device.attached.status, settled.node_device.attached.reason) == ("True", "HeldByPod")
+    assert settled.node_device.attached.message == (
+        "Held by ResourceClaim team-c/pool-gpu (pod p), allocated while it was in the pool (no VirtualMachine lists it).")
+    [pcidev] = settled.devices
+    assert (attached(pcidev)["status"], attached(pcidev)["reason"]) == ("False", "HeldByPod")
+    assert "team-c" not in attached(pcidev)["message"] and "pool-gpu" not in attached(pcidev)["message"]
+    assert f"NodePCIDevice {settled.node_device.name}" in attached(pcidev)["message"]
+    assert FINALIZER not in settled.node_device.finalizers and pcidev.metadata["finalizers"] == []
+    # The claim lets go: nothing left to report, the device is team-a's to use.
+    released = converge(claimed(settled))
+    assert released.node_device.attached.reason == "Available" and attached(released.devices[0])["reason"] == "Available"
+    # A claim of the namespace it is assigned to is that namespace's user, not a leftover of the pool.
+    own = converge(claimed(world(node_device("team-a")), GPU_CLAIM))
+    assert own.node_device.attached.reason == "AllocatedToClaim"
 
 
 def test_in_dra_mode_an_unused_device_points_the_tenant_to_its_namespaces_device_class():

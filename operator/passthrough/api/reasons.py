@@ -84,9 +84,11 @@ REASONS: dict[str, Reason] = {
     "HeldByPod": Reason(
         "Ready: a pod on the node holds the device under its previous resource or namespace: nobody else gets "
         "it until that pod ends. Attached: a pod holds the device (device-plugin mode: a plain pod that asks for "
-        "its resource, or a VM's virt-launcher pod after its VM no longer lists it); the message names it.",
+        "its resource, or a VM's virt-launcher pod after its VM no longer lists it; DRA mode: a ResourceClaim of "
+        "another namespace allocated it while it was in the pool, and still holds it after its assignment); the "
+        "NodePCIDevice's message names it, a PCIDevice's does not.",
         "Ready: nothing, it follows its assignment once the pod ends; delete the pod (stop its VM) to hurry it. "
-        "Attached: nothing; to free the device, delete the pod.",
+        "Attached: nothing; to free the device, delete the pod (in DRA mode, the claim's pods, or the claim).",
         (*_READY, f"{NODE_PCI_DEVICE}/Attached", f"{PCI_DEVICE}/Attached"), _NODE_WAITS,
     ),
     "WriteBlocked": Reason(

@@ -22,7 +22,7 @@ from passthrough.api.conditions import Cond, condition, timestamp
 from passthrough.api.labels import NODE_LABEL
 from passthrough.api.models import API_VERSION, NODE_PCI_DEVICE, PCI_DEVICE
 from passthrough.api.views import Device, NodeDevice
-from passthrough.controller.verdict import Absence, Holders, Users, Verdict, model_of, pool_claims, users_by_namespace
+from passthrough.controller.verdict import Absence, Holders, Users, Verdict, left_in_pool, model_of, pool_claims, users_by_namespace
 from passthrough.controller.world import (FINALIZER, SYSTEM_NAMESPACES, ApplyDevice, ApplyDeviceStatus, ApplyNodeDeviceFinalizer,
                                           ApplyNodeDeviceStatus, DeleteDevice, DeleteNodeDevice, Event, Plan, World)
 from passthrough.pci.naming import exclusive_resource_name
@@ -164,7 +164,8 @@ def _target_device(npci: NodeDevice, world: World, verdict: Verdict, absence: Ab
     if current is None or _metadata_differs(current, wanted):
         plan.writes.append(ApplyDevice(target, device_body(npci.name, target, wanted, current.uid if current else "")))
     gone = _node_gone_note(npci, world, absence.node_gone_since) if absence.node_gone else ""
-    status = _device_status(npci, current, users, world.now, holders.held_elsewhere, gone, world.device_class)
+    status = _device_status(npci, current, users, world.now, holders.held_elsewhere, gone, world.device_class,
+                            left_in_pool(npci, world))  # fmt: skip
     if current is None or _status_differs(current.status, status):
         plan.writes.append(ApplyDeviceStatus(target, {**device_body(npci.name, target, {}), "status": status}))
         plan.events.extend(_device_events(npci, current, status, target, world.device_class))
@@ -220,7 +221,7 @@ def _node_status(npci: NodeDevice, world: World, verdict: Verdict, absence: Abse
     assigned = _assigned_condition(npci, world, verdict, absence, holders)
     waiting = Users.of(world, target) if verdict.will_exist and holders.held_elsewhere else Users(target)
     users = [found for ns, found in sorted(users_by_namespace(world, verdict, holders).items()) if not (waiting and ns == target)]
-    attached = _attached_condition(users, waiting, pool_claims(npci, world), npci.holders)
+    attached = _attached_condition(users, waiting, pool_claims(npci, world), npci.holders, left=left_in_pool(npci, world))
     # Recorded once handed out; kept while the namespace is away or was made anew; cleared with
     # the assignment (the admin assigning again is what gives the device to a new namespace).
     ref = ("", "") if not target else ((target, verdict.target_uid) if verdict.will_exist and verdict.target_uid else npci.handed_to)
@@ -294,9 +295,11 @@ def _later(when: datetime.datetime, by: datetime.timedelta) -> datetime.datetime
 def _device_status(
     npci: NodeDevice, current: Device | None, users: Users, now: datetime.datetime,
     held_elsewhere: Mapping[str, Users] | None = None, node_gone: str = "", device_class: str = "",
+    left: tuple[Allocation, ...] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """`users`: the VMs and claims of the PCIDevice's namespace that use the device; `node_gone`:
-    why the device's Node is away ("" while it exists); `device_class`: World.device_class."""
+    why the device's Node is away ("" while it exists); `device_class`: World.device_class; `left`:
+    claims of other namespaces allocated it while it was in the pool (`verdict.left_in_pool`)."""
     old = {c.get("type"): Cond.of(c) for c in (current.status.get("conditions") if current else None) or []}
     # Ready is the node's word, transition time included; while its Node is gone, ours.
     if node_gone:
@@ -318,6 +321,12 @@ def _device_status(
                       f"{there}; " + (f"a claim here of DeviceClass {device_class}" if device_class else f"a VM here that asks for {resource}")
                       + " waits until it lets go.")
         )  # fmt: skip
+    elif left and not users:
+        # As a pool pod's hold reads to the tenant in device-plugin mode: HeldByPod, naming nobody.
+        attached = Cond("False", "HeldByPod", (
+            "Held by a claim of another namespace, allocated while the device was in the pool: no claim here gets it "
+            f"until that claim lets go (its pods end, or it is deleted); a device admin sees which on NodePCIDevice "
+            f"{npci.name}."))  # fmt: skip
     else:
         pods = tuple(h for h in npci.holders if h[0] == users.namespace)
         attached = _attached_condition([users], pods=pods, idle=f"{how_to_use(resource, device_class)}.")
@@ -504,19 +513,22 @@ def _misnamed(npci: NodeDevice, expected: str, holding: str) -> Cond:
 
 def _attached_condition(
     users: list[Users], waiting: Users | None = None, pool: tuple[Allocation, ...] = (),
-    pods: tuple[tuple[str, str, str], ...] = (), idle: str = "",
+    pods: tuple[tuple[str, str, str], ...] = (), idle: str = "", left: tuple[Allocation, ...] = (),
 ) -> Cond:  # fmt: skip
     """Attached, of the NodePCIDevice and (with one namespace's `users`) of a PCIDevice: `users` of
     each namespace; `waiting`: those of the target namespace that want the device but wait for the
     users holding it elsewhere; `pool`: the claims of any namespace allocated it while it is in the
     pool (`verdict.pool_claims`); `pods`: status.holders, the pods its agent reports holding it
     (device-plugin mode: a VM's virt-launcher pod, or a plain pod that asks for the resource);
-    `idle`: the advice that ends the sentence when nothing uses it."""
+    `idle`: the advice that ends the sentence when nothing uses it; `left`: the claims allocated it
+    while it was in the pool that still hold it after its assignment (`verdict.left_in_pool`),
+    named as the pods that hold it are."""
     if pool:
         users = [*users, *(Users(c.namespace, claims=(c,)) for c in pool)]
-    held = f"held by {_pod_list(pods)}" if pods else ""
+    held = ", ".join(([_pod_list(pods)] if pods else []) + [f"{c.describe()}, allocated while it was in the pool" for c in left])
+    held = f"held by {held}" if held else ""
     if not any(users):
-        if pods:
+        if held:
             return Cond("True", "HeldByPod", f"{held[0].upper()}{held[1:]} (no VirtualMachine lists it).")
         return Cond("False", "Available", f"No VirtualMachine, claim or pod uses this device{'; ' + idle if idle else '.'}")
     reason, used = _in_use(users)

@@ -212,6 +212,19 @@ def pool_claims(npci: NodeDevice, world: World) -> tuple[Allocation, ...]:
     return world.claims if not npci.assigned_namespace and npci.handed_to == NOT_HANDED and not world.devices else ()
 
 
+def left_in_pool(npci: NodeDevice, world: World) -> tuple[Allocation, ...]:
+    """The claims still allocated a device that has left the pool: of a namespace that is neither
+    the one it is assigned to now nor one with its PCIDevice, so allocated while it was the pool's
+    (the allocation gate refuses such a claim once it is assigned). As device-plugin mode reports a
+    pool pod that still holds a device after its assignment (HeldByPod), they are named on the
+    NodePCIDevice, for the admin, and the namespace's PCIDevice says it waits without naming them.
+    Like the pool's claims, they hold nothing: no finalizer, no Users."""
+    if pool_claims(npci, world):
+        return ()
+    counted = {npci.assigned_namespace, *(d.namespace for d in world.devices)}
+    return tuple(c for c in world.claims if c.namespace not in counted)
+
+
 def _vm_list(namespace: str, vms: tuple[str, ...]) -> str:
     names = ", ".join(f"{namespace}/{vm}" for vm in vms)
     return f"VirtualMachine {names}" if len(vms) == 1 else f"VirtualMachines {names}"
