@@ -187,6 +187,9 @@ def test_the_dev_cluster_in_dra_mode_publishes_slices_and_a_claim_gets_the_gpu(r
         gates = kubectl("get", "kubevirt", "-n", "kubevirt", "kubevirt", "-o",
                         "jsonpath={.spec.configuration.developerConfiguration.featureGates}")  # fmt: skip
         assert "HostDevicesWithDRA" in gates.stdout, gates.stdout + gates.stderr
+        # The chart's steering webhooks are registered with the rest of its mutating ones.
+        hooks = kubectl("get", "mutatingwebhookconfiguration", "-o", "jsonpath={.items[*].webhooks[*].name}")
+        assert "steer-resourceclaims.admission.passthrough.io" in hooks.stdout.split(), hooks.stdout + hooks.stderr
         [record_file] = re.findall(r"record of each container: (\S+)", output)
 
         # The walkthrough it printed, as printed: the same first steps as without DRA.
