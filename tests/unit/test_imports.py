@@ -75,7 +75,7 @@ def test_no_module_imports_itself_back() -> None:
       for room in ("reporter", "ownnode", "moves", "admit", "watches")],
     # The DRA driver's passes lean on its health watch and its judge of other servers, never back.
     *[(f"passthrough.dra.{room}", ("passthrough.dra.driver", "passthrough.agent.loop", "passthrough.agent.main"))
-      for room in ("healthwatch", "elsewhere", "health", "others", "slice", "binding", "prepared", "cdi")],
+      for room in ("healthwatch", "elsewhere", "registration", "health", "others", "slice", "binding", "prepared", "cdi")],
     ("passthrough.metrics", ("passthrough.controller", "passthrough.deviceplugin", "passthrough.agent")),
 ])  # fmt: skip
 def test_a_room_reaches_none_of_what_it_must_not_know(room: str, forbidden: tuple[str, ...]) -> None:

@@ -2,9 +2,10 @@
 and, when the kubelet prepares a claim, binds the allocated device's IOMMU group to vfio-pci and
 hands the container its /dev/vfio nodes and the KEP-5304 metadata file through CDI.
 
-- Registration: a socket in `<kubelet dir>/plugins_registry/`, which the kubelet's plugin watcher
-  finds and asks GetInfo (type DRAPlugin, our driver name, the endpoint, the gRPC services we
-  serve: `v1.DRAPlugin`, `v1.DRAResourceHealth`); it survives kubelet restarts, which find it again.
+- Registration (`dra.registration`): a socket in `<kubelet dir>/plugins_registry/`, which the
+  kubelet's plugin watcher finds and asks GetInfo (type DRAPlugin, our driver name, the
+  endpoint, the gRPC services we serve: `v1.DRAPlugin`, `v1.DRAResourceHealth`); it survives
+  kubelet restarts, which find it again.
 - The DRAPlugin and DRAResourceHealth services on `<kubelet dir>/plugins/<driver>/dra.sock`. The
   kubelet opens the health stream because registration lists it; it shows what we send on the
   pods that hold a device (`status.containerStatuses[].allocatedResourcesStatus`).
@@ -74,11 +75,11 @@ from passthrough.dra import health as dra_health
 from passthrough.dra.healthwatch import HEALTH_POLL, HealthWatch, first as _first
 from passthrough.dra import slice as dra_slice
 from passthrough.dra.elsewhere import OtherServers
+from passthrough.dra.registration import Registration, serve_on
 from passthrough.dra.prepared import PreparedClaim, holder, load_checkpoint, remove_files, save_checkpoint, write_files
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
 from passthrough.dra.kubeletapi.drahealth_v1 import api_pb2_grpc as health_grpc
-from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2 as reg
 from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2_grpc as reg_grpc
 from passthrough.kube.cache import Informer, Mirror
 from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
@@ -98,7 +99,6 @@ CDI_DIR = Path("/var/run/cdi")
 # "<gRPC package's last part>.<service>", as the kubelet matches them; it streams health only
 # from a plugin that lists the health service here.
 SERVICES = ("v1.DRAPlugin", dra_health.SERVICE)
-PLUGIN_TYPE = "DRAPlugin"
 RETRY = 5.0  # seconds before the next pass after a failed one
 # Seconds the first pass waits for the kubelet to register the driver: a claim allocated from a
 # slice published before that fails its first prepare ("not registered") and waits for the
@@ -106,17 +106,12 @@ RETRY = 5.0  # seconds before the next pass after a failed one
 # its slice after this.
 REGISTRATION_WAIT = 10.0
 PASS_LOGGED = "DRA pass"  # what the debug log says of each pass (bench_dra counts them)
-SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path, at most (sun_path, less its NUL)
 # Seconds a device whose group would not go to vfio-pci stays tainted VFIOBindFailed:NoSchedule:
 # long enough for the scheduler's next try to take another device, then it is offered again.
 BIND_FAILED_HOLD = 300.0
 
 
-class DriverError(RuntimeError):
-    """The driver cannot run at all; the message says what to do."""
-
-
-class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, reg_grpc.RegistrationServicer):
+class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
     def __init__(
         self,
         api: Any,
@@ -162,7 +157,8 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self._candidates: dict[str, int] = {}  # address -> IOMMU group, of what the last pass would publish
         self.discovery: Discovery | None = None
         self.prepared: dict[str, PreparedClaim] = load_checkpoint(self.plugin_dir)
-        self.registered = asyncio.Event()
+        self.registration = Registration(DRIVER, self.endpoint, SERVICES)
+        self.registered = self.registration.registered
         self.published = asyncio.Event()  # set after the first pass wrote or confirmed the slice
         self.passes = 0
         self.writes = 0  # ResourceSlice writes
@@ -198,23 +194,10 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self.registration_socket.parent.mkdir(parents=True, exist_ok=True)
         self.health.closing.clear()
-        for path, adds in ((self.endpoint, (dra_grpc.add_DRAPluginServicer_to_server,
-                                            health_grpc.add_DRAResourceHealthServicer_to_server)),
-                           (self.registration_socket, (reg_grpc.add_RegistrationServicer_to_server,))):  # fmt: skip
-            if len(os.fsencode(str(path))) > SOCKET_PATH_MAX:
-                raise DriverError(f"cannot serve on {path}: a Unix socket's path takes at most {SOCKET_PATH_MAX} bytes "
-                                  f"and this one has {len(os.fsencode(str(path)))}; use a shorter --kubelet-dir")  # fmt: skip
-            path.unlink(missing_ok=True)
-            server = grpc.aio.server()
-            for add in adds:
-                add(self, server)
-            try:
-                server.add_insecure_port(f"unix://{path}")
-                await server.start()
-            except Exception as exc:
-                await server.stop(None)
-                raise DriverError(f"cannot serve on {path}: {exc}") from exc
-            self._servers.append(server)
+        self._servers.append(await serve_on(self.endpoint, self, (dra_grpc.add_DRAPluginServicer_to_server,
+                                                                  health_grpc.add_DRAResourceHealthServicer_to_server)))  # fmt: skip
+        self._servers.append(await serve_on(self.registration_socket, self.registration,
+                                            (reg_grpc.add_RegistrationServicer_to_server,)))  # fmt: skip
         log.info("DRA driver %s serving on %s, registration at %s", DRIVER, self.endpoint, self.registration_socket)
 
     async def close(self) -> None:
@@ -225,17 +208,6 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer, 
         for path in (self.registration_socket, self.endpoint):
             path.unlink(missing_ok=True)
         await self.binder.close()
-
-    async def GetInfo(self, request, context) -> reg.PluginInfo:
-        return reg.PluginInfo(type=PLUGIN_TYPE, name=DRIVER, endpoint=str(self.endpoint), supported_versions=list(SERVICES))
-
-    async def NotifyRegistrationStatus(self, request, context) -> reg.RegistrationStatusResponse:
-        if request.plugin_registered:
-            log.info("the kubelet registered DRA driver %s", DRIVER)
-            self.registered.set()
-        else:
-            log.error("the kubelet refused DRA driver %s: %s", DRIVER, request.error)
-        return reg.RegistrationStatusResponse()
 
     # -- the loop ----------------------------------------------------------------------------
 
