@@ -310,3 +310,88 @@ async def test_the_values_vgpu_types_reach_the_kubevirt_cr_past_kubevirts_valida
     finally:
         await configured.apply({**body, "spec": {}}, "admin")
     await support.wait_for(carried(None), 30, 0.2, what="mediatedDevicesConfiguration gone from the KubeVirt CR")
+
+
+def set_run_strategy(cluster, namespace: str, name: str, strategy: str) -> None:
+    cluster.kubectl("patch", "vm", name, "-n", namespace, "--type=merge", "-p", json.dumps({"spec": {"runStrategy": strategy}}))
+
+
+async def stopped(api, core, cluster, namespace: str, name: str) -> None:
+    """The VM halted and its instance gone. With no virt-handler here, what it does when a domain
+    ends is done in its place: the launcher pod deleted (the kubelet sees it end) and the
+    deleted VMI let go of (virt-handler's finalizer)."""
+    selector = f"kubevirt.io=virt-launcher,vm.kubevirt.io/name={name}"
+    vmis = Custom(api, "virtualmachineinstances", namespaced=True, group="kubevirt.io", version="v1")
+
+    async def gone():
+        for pod in (await core.list_namespaced_pod(namespace, label_selector=selector)).items:
+            if pod.metadata.deletion_timestamp is None:
+                await core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+        pods = (await core.list_namespaced_pod(namespace, label_selector=selector)).items
+        vmi = await vmis.get(name, namespace)
+        if not pods and vmi is not None and vmi["metadata"].get("deletionTimestamp"):
+            cluster.kubectl("patch", "vmi", name, "-n", namespace, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+        return not pods and vmi is None
+
+    await support.wait_for(gone, 60, 0.5, what=f"VM {namespace}/{name} stopped: no launcher pod, no VMI")
+
+
+async def start_refused(api, namespace: str, name: str) -> str:
+    """The message of the VM's Failure condition once virt-controller's start was refused."""
+    vms = Custom(api, "virtualmachines", namespaced=True, group="kubevirt.io", version="v1")
+
+    async def refused():
+        status = ((await vms.get(name, namespace)) or {}).get("status") or {}
+        return next((c["message"] for c in status.get("conditions") or []
+                     if c["type"] == "Failure" and c["status"] == "True" and c.get("reason") == "FailedCreate"), None)  # fmt: skip
+
+    return await support.wait_for(refused, 60, 0.2, what=f"VM {namespace}/{name}'s start refused")
+
+
+@pytest.mark.parametrize("move", ["reassigned", "unassigned"])
+async def test_after_the_device_moves_the_vms_next_start_never_gets_it(api, core, world, kubelet, agent, namespace, unique, move):
+    """A VM that had the device is stopped; the device is reassigned to another namespace (or
+    unassigned); the VM started again gets no launcher pod, and says why; once it no longer
+    lists the device, a VM of the new namespace gets it."""
+    names = await device_names(api, kubelet.node_name)
+    gpu = names["0000:af:00.0"]
+    resource = exclusive_resource_name(gpu)
+    await support.assign(api, gpu, namespace)
+    pci_devices = Custom(api, "pcidevices", namespaced=True)
+    await support.wait_for(lambda: pci_devices.get(gpu, namespace), 30, 0.2, what=f"PCIDevice {gpu} in {namespace}")
+    await wait_resources(core, kubelet.node_name, {resource: "1"}, agent)
+    other = await support.create_namespace(api, f"next-{unique}")
+    selector = "kubevirt.io=virt-launcher"
+    try:
+        made = create(world, namespace, vm("moving", host_devices=[resource]))
+        assert made.returncode == 0, made.stderr
+        first = await launcher_pod(core, namespace, "moving")
+        container = await compute_container(core, kubelet, first)
+        assert container["envs"][resource_env_name(resource)] == "0000:af:00.0"
+        set_run_strategy(world, namespace, "moving", "Halted")
+        await stopped(api, core, world, namespace, "moving")
+
+        await support.assign(api, gpu, other if move == "reassigned" else "")
+        set_run_strategy(world, namespace, "moving", "Always")
+        message = await start_refused(api, namespace, "moving")
+        assert f"is being removed from namespace {namespace} (unassigned or reassigned); use another device of the namespace" in message
+        assert (await core.list_namespaced_pod(namespace, label_selector=selector)).items == []
+        computes = [c for c in kubelet.created_containers() if c["namespace"] == namespace and c["container"] == "compute"]
+        assert [c["pod"] for c in computes] == [first.metadata.name]
+        if move == "unassigned":
+            return
+
+        # The old namespace's VM lets go of the device (deleted); the new namespace's VM gets it.
+        world.kubectl("delete", "vm", "moving", "-n", namespace)
+        made = create(world, other, vm("arrived", host_devices=[resource]))
+        assert made.returncode == 0, made.stderr
+        pod = await launcher_pod(core, other, "arrived", timeout=90)
+        container = await compute_container(core, kubelet, pod, timeout=90)
+        assert container["envs"][resource_env_name(resource)] == "0000:af:00.0"
+        set_run_strategy(world, other, "arrived", "Halted")
+        await stopped(api, core, world, other, "arrived")  # its pod gone, the device is free for later tests
+    finally:
+        for where, name in ((namespace, "moving"), (other, "arrived")):
+            world.kubectl("delete", "vm", name, "-n", where, "--wait=false", "--ignore-not-found", check=False)
+        world.kubectl("delete", "namespace", other, "--wait=false", check=False)
+        await support.assign(api, gpu, "")
