@@ -59,6 +59,16 @@ def uninstall(node: RealNode) -> str:
     return node.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait").stdout
 
 
+def set_up(node: RealNode, directory: Path, image_name: str, extra: dict | None = None) -> Path:
+    """What a cluster with KubeVirt gets from the README's install: KubeVirt's CR, the values file
+    (the image, and `extra`), `helm install`, the pods rolled out. The values file."""
+    prepare_kubevirt(node)
+    values_file = write_values(directory, {**values(image_name), **(extra or {})})
+    install(node, values_file)
+    wait_rolled_out(node)
+    return values_file
+
+
 def write_values(directory: Path, data: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "my-values.yaml"
