@@ -88,7 +88,9 @@ disabled_plugins = [
 """
 
 
-def cni_conflist() -> dict:
+def cni_conflist(ip_masq: bool = False) -> dict:
+    """`ip_masq`: where the node has a way out (the QEMU guest's user network), pods' packets to
+    it leave with the node's address."""
     return {
         "cniVersion": "1.0.0",
         "name": "node",
@@ -98,7 +100,7 @@ def cni_conflist() -> dict:
                 "bridge": "cni0",
                 "isGateway": True,
                 # The node's namespace has no way out: nothing to masquerade for.
-                "ipMasq": False,
+                "ipMasq": ip_masq,
                 "hairpinMode": True,
                 "ipam": {
                     "type": "host-local",
@@ -111,7 +113,7 @@ def cni_conflist() -> dict:
     }
 
 
-def kube_proxy_config(kubeconfig: Path, node_name: str) -> dict:
+def kube_proxy_config(kubeconfig: Path, node_name: str, node_ip: str = NODE_IP) -> dict:
     return {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
@@ -119,7 +121,7 @@ def kube_proxy_config(kubeconfig: Path, node_name: str) -> dict:
         "mode": "iptables",
         "clusterCIDR": POD_CIDR,
         "hostnameOverride": node_name,
-        "bindAddress": NODE_IP,
+        "bindAddress": node_ip,
         "healthzBindAddress": f"127.0.0.1:{KUBE_PROXY_HEALTHZ_PORT}",
         "metricsBindAddress": f"127.0.0.1:{KUBE_PROXY_METRICS_PORT}",
         # Zero: leave the kernel's conntrack settings alone (the table size is the host's).
@@ -135,14 +137,14 @@ def kube_proxy_config(kubeconfig: Path, node_name: str) -> dict:
     }
 
 
-def kubelet_config(workdir: Path, cgroup_root: str) -> dict:
+def kubelet_config(workdir: Path, cgroup_root: str, node_ip: str = NODE_IP, cluster_dns: tuple[str, ...] = (NODE_IP,)) -> dict:
     endpoint = f"unix://{containerd_socket(workdir)}"
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
         # On the node's address inside its namespace: the API server reaches it for logs and
         # exec; nothing outside the namespace can.
-        "address": NODE_IP,
+        "address": node_ip,
         "port": KUBELET_PORT,
         "readOnlyPort": 0,
         "healthzBindAddress": "127.0.0.1",
@@ -167,7 +169,7 @@ def kubelet_config(workdir: Path, cgroup_root: str) -> dict:
         "failSwapOn": False,
         # Pods resolve Service names with the node's cluster DNS (e2e/realnode/dns.py).
         "resolvConf": "",
-        "clusterDNS": [NODE_IP],
+        "clusterDNS": list(cluster_dns),
         "clusterDomain": "cluster.local",
         "volumePluginDir": str(workdir / "volume-plugins"),
         "podLogsDir": "/var/log/pods",
