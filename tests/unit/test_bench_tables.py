@@ -212,3 +212,9 @@ def test_every_figure_on_the_page_is_one_a_benchmark_prints() -> None:
     for section, labels in by_section.items():
         on_page = {row[0] for t in tables(section) if t[0] == list(table.COLUMNS) for row in t[1:]}
         assert labels == on_page, section.splitlines()[0]
+
+
+def test_realnode_ha() -> None:
+    module = bench("bench_realnode_ha")
+    measured = dict.fromkeys(module.GOALS, "0 of 1,234")
+    assert_page_form("bench_realnode_ha", module.page_table(measured, **LEAD), module.GOALS)
