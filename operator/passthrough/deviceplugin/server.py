@@ -34,6 +34,7 @@ from pathlib import Path
 
 import grpc
 
+from passthrough import unixgrpc
 from passthrough.agent import metrics
 from passthrough.deviceplugin.allocation import VFIO_DIR, AllocationError, PluginDevice, allocate_response, preferred_allocation
 from passthrough.deviceplugin.kubeletapi.deviceplugin_v1beta1 import api_pb2 as api
@@ -147,15 +148,10 @@ class DevicePlugin(api_grpc.DevicePluginServicer):
         """Listen on the socket (replacing a stale file of the same name) and serve."""
         if self._server is not None:
             return
-        self.socket_path.unlink(missing_ok=True)
-        server = grpc.aio.server()
-        api_grpc.add_DevicePluginServicer_to_server(self, server)
         try:
-            server.add_insecure_port(f"unix://{self.socket_path}")
-            await server.start()
-        except Exception as exc:
-            await server.stop(None)
-            raise OSError(f"cannot serve {self.resource_name} on {self.socket_path}: {exc}") from exc
+            server = await unixgrpc.serve(self.socket_path, self, (api_grpc.add_DevicePluginServicer_to_server,))
+        except OSError as exc:
+            raise OSError(f"{self.resource_name}: {exc}") from exc
         self._stopping = False
         self._server = server
         self.socket_identity = self._identity()

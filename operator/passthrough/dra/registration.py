@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from passthrough import unixgrpc
 from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2 as reg
 from passthrough.dra.kubeletapi.pluginregistration_v1 import api_pb2_grpc as reg_grpc
 
@@ -50,14 +51,7 @@ async def serve_on(path: Path, servicer: Any, adds: Iterable[Callable[[Any, grpc
     if len(os.fsencode(str(path))) > SOCKET_PATH_MAX:
         raise DriverError(f"cannot serve on {path}: a Unix socket's path takes at most {SOCKET_PATH_MAX} bytes "
                           f"and this one has {len(os.fsencode(str(path)))}; use a shorter --kubelet-dir")  # fmt: skip
-    path.unlink(missing_ok=True)
-    server = grpc.aio.server()
-    for add in adds:
-        add(servicer, server)
     try:
-        server.add_insecure_port(f"unix://{path}")
-        await server.start()
-    except Exception as exc:
-        await server.stop(None)
-        raise DriverError(f"cannot serve on {path}: {exc}") from exc
-    return server
+        return await unixgrpc.serve(path, servicer, adds)
+    except OSError as exc:
+        raise DriverError(str(exc)) from exc
