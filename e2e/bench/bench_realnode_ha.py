@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import sys
-import threading
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -145,10 +146,10 @@ def main() -> int:
     measured: dict[str, object] = {}
     node = RealNode(project_image=True)
     probe: availability.Probe | None = None
+    folder = Path(tempfile.mkdtemp(prefix="bench-realnode-ha-"))
     started = time.monotonic()
     node.start()
     try:
-        folder = Path(tempfile.mkdtemp(prefix="bench-realnode-ha-"))
         install.set_up(node, folder, image.name(), VALUES)
         measured["node Ready (the image built first where stale), then the chart rolled out"] = f"{node.info['start_seconds']:.0f} s, then {time.monotonic() - started - node.info['start_seconds']:.0f} s"
         load = availability.Load(node).start().until_answered()
@@ -202,6 +203,7 @@ def main() -> int:
         if probe is not None:
             probe.stop()  # it runs in the node's network namespace, not in its PID namespace
         node.stop()
+        shutil.rmtree(folder, ignore_errors=True)
     print()
     print(page_table(measured, note=f"The chart on the real node, two replicas, four clients each calling every 50 ms; "
                                     f"{args.runs} kills of each kind."))  # fmt: skip
