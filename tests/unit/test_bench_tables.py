@@ -202,6 +202,7 @@ def test_kubevirt_vm() -> None:
     assert_page_form("bench_kubevirt_vm", printed, module.GOALS)
     assert "| p50 600 ms, p90 680 ms (3 of 3 VMs) |" in printed
     assert "| 1 of 6 |" in printed
+    assert_page_form("bench_kubevirt_vm", module.page_table([5.8], [6.1], (1, 1), 0, True, **LEAD), module.GOALS)
 
 
 def test_every_figure_on_the_page_is_one_a_benchmark_prints() -> None:
