@@ -29,10 +29,7 @@ def node(request, tmp_path_factory):
         support.cannot_run(request, "real-node", reason, once_key="realnode")
     started = RealNode(project_image=True).start()
     try:
-        install.prepare_kubevirt(started)
-        started.values = install.write_values(tmp_path_factory.mktemp("values"), install.values(image.name()))
-        install.install(started, started.values)
-        install.wait_rolled_out(started)
+        started.values = install.set_up(started, tmp_path_factory.mktemp("values"), image.name())
         yield started
     finally:
         started.stop()
