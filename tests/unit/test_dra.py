@@ -15,7 +15,8 @@ from e2e import fakesysfs
 from passthrough.agent.report import object_name
 from passthrough.dra import cdi
 from passthrough.dra import slice as dra_slice
-from passthrough.dra.driver import Driver, PrepareError
+from passthrough.dra.driver import Driver
+from passthrough.dra.preparer import PrepareError
 from passthrough.pci.discovery import discover
 from passthrough.pci.pciids import PciIds
 
@@ -191,5 +192,5 @@ def test_a_device_handed_out_to_one_namespace_is_never_prepared_for_another(gpu_
                     pci_ids=PciIds.load(Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11"))  # fmt: skip
     driver.inventory = dra_slice.by_name(dra_slice.publishable(devices, {names[GPUS[1]]: "team-a"}, names, False))
     with pytest.raises(PrepareError, match="belongs to namespace team-a: a claim of team-b never gets it"):
-        asyncio.run(driver._prepare("team-b", "steal", "u-9"))
+        asyncio.run(driver.preparer.prepare("team-b", "steal", "u-9"))
     assert driver.prepared == {} and not (tmp_path / "cdi").exists()  # nothing bound, nothing written

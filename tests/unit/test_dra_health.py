@@ -80,7 +80,7 @@ def driver(tmp_path):
 
 def _judge(drv) -> bool:
     """One health read of the driver's candidates and prepared devices, as its watch makes every half second."""
-    return asyncio.run(drv.health.judge(drv._candidates, drv._prepared_devices()))
+    return asyncio.run(drv.health.judge(drv._candidates, drv.preparer.prepared_devices()))
 
 
 def test_a_group_member_losing_its_link_makes_the_device_unhealthy_and_withdrawn_until_it_recovers(driver):

@@ -50,7 +50,7 @@ def test_a_bind_whose_answer_was_lost_is_given_back_by_the_driver_that_starts_ne
     first.binder.bind = answer_lost
     [gpu] = [d for d in first.discovery.devices if d.address == GPU]
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(first._bind_groups([dra_slice.Published(gpu, "npci", "team-a")]))
+        asyncio.run(first.preparer.bind_groups([dra_slice.Published(gpu, "npci", "team-a")]))
     assert first.bound.devices == {}  # no answer: nothing known as moved
     state = tmp_path / "kubelet" / "plugins" / DRIVER
     assert json.loads((state / "binding.json").read_text()) == {GPU: "", AUDIO: ""}  # the intent, written first
@@ -64,7 +64,7 @@ def test_a_bind_whose_answer_was_lost_is_given_back_by_the_driver_that_starts_ne
             host.bind(address, before[address])
 
     restarted.binder.release = release
-    asyncio.run(restarted._give_back([]))  # nothing published needs the group, no claim holds it
+    asyncio.run(restarted.preparer.give_back([]))  # nothing published needs the group, no claim holds it
     assert released == [(GROUP, [GPU, AUDIO], {GPU: "", AUDIO: ""})]
     assert _drivers(host) == before
     assert restarted.bound.devices == {} and restarted.bound.intended == {}
@@ -82,7 +82,7 @@ def test_a_group_an_admin_pinned_to_vfio_pci_is_never_taken_for_the_drivers_own(
     first.binder.bind = answer_lost
     [gpu] = [d for d in first.discovery.devices if d.address == GPU]
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(first._bind_groups([dra_slice.Published(gpu, "npci", "team-a")]))
+        asyncio.run(first.preparer.bind_groups([dra_slice.Published(gpu, "npci", "team-a")]))
     restarted = _driver(host, tmp_path)
     released = []
 
@@ -90,5 +90,5 @@ def test_a_group_an_admin_pinned_to_vfio_pci_is_never_taken_for_the_drivers_own(
         released.append(args)
 
     restarted.binder.release = release
-    asyncio.run(restarted._give_back([]))
+    asyncio.run(restarted.preparer.give_back([]))
     assert released == [] and _drivers(host) == {GPU: "vfio-pci", AUDIO: "vfio-pci"}

@@ -9,7 +9,7 @@ import pytest
 
 from e2e import fakesysfs
 from passthrough.dra import others
-from passthrough.dra.driver import _address_of
+from passthrough.dra.preparer import _address_of
 from passthrough.dra.slice import DRIVER, PCI_BUS_ID, device_name
 from passthrough.pci.discovery import discover
 from passthrough.pci.pciids import PciIds

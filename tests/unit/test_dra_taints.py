@@ -14,7 +14,8 @@ import pytest
 from e2e.fakesysfs import gpu_node
 from passthrough.dra import health as dra_health
 from passthrough.dra import slice as dra_slice
-from passthrough.dra.driver import Driver, PrepareError
+from passthrough.dra.driver import Driver
+from passthrough.dra.preparer import PrepareError
 from passthrough.pci.discovery import discover
 from passthrough.pci.health import Health
 from passthrough.pci.pciids import PciIds
@@ -66,5 +67,5 @@ def test_a_claim_allocated_a_device_that_fell_ill_is_not_prepared_until_it_recov
     driver.inventory = dra_slice.by_name([dra_slice.Published(gpu, "npci", "team-a")])
     driver.health.unhealthy = {GPU: f"{AUDIO}'s PCIe link is down (current_link_width 0)"}
     with pytest.raises(PrepareError, match=r"pci-0000-3b-00-0 \(0000:3b:00.0\) is unhealthy: 0000:3b:00.1's PCIe link is down"):
-        asyncio.run(driver._prepare("team-a", "vm", "u-1"))
+        asyncio.run(driver.preparer.prepare("team-a", "vm", "u-1"))
     assert driver.prepared == {} and not (tmp_path / "cdi").exists()

@@ -73,9 +73,10 @@ def test_no_module_imports_itself_back() -> None:
     # The agent's loop puts a scan together from rooms that know nothing of it, nor of each other's jobs.
     *[(f"passthrough.agent.{room}", ("passthrough.agent.loop", "passthrough.agent.main"))
       for room in ("reporter", "ownnode", "moves", "admit", "watches")],
-    # The DRA driver's passes lean on its health watch and its judge of other servers, never back.
+    # The DRA driver's passes lean on its rooms (health, other servers, claims prepared, binding answers), never back.
     *[(f"passthrough.dra.{room}", ("passthrough.dra.driver", "passthrough.agent.loop", "passthrough.agent.main"))
-      for room in ("healthwatch", "elsewhere", "registration", "health", "others", "slice", "binding", "prepared", "cdi")],
+      for room in ("healthwatch", "elsewhere", "registration", "health", "others", "slice", "binding", "prepared", "cdi",
+                   "preparer", "answers")],
     ("passthrough.metrics", ("passthrough.controller", "passthrough.deviceplugin", "passthrough.agent")),
 ])  # fmt: skip
 def test_a_room_reaches_none_of_what_it_must_not_know(room: str, forbidden: tuple[str, ...]) -> None:
