@@ -116,6 +116,9 @@ class Agent:
         # tell when the node changes what it publishes: its GPU passthrough mode, or its extended
         # resources (another device plugin came or went).
         self.other_servers: Callable[[], Mapping[str, BindError]] | None = None
+        # DRA mode: the give-back request the DRA driver has carried out (`Driver.given_back`);
+        # the agent answers a request on the Node only once the driver has.
+        self.given_back_by: Callable[[], str] | None = None
         self.on_node_change: Callable[[], None] | None = None
         if handover is not None:
             handover.on_change = self.trigger  # a late write returned, or a served device's health flipped
@@ -305,7 +308,8 @@ class Agent:
                 jobs.append(self.reporter.missing(name, live, result))
         await asyncio.gather(*jobs)
         asked = node_plan.giving_back(self.node.labels)
-        if self.handover is not None and asked != self.node.given_back and not result.failed:
+        carried_out = self.handover is not None or (self.given_back_by is not None and self.given_back_by() == asked)
+        if carried_out and asked != self.node.given_back and not result.failed:
             # Given back all it could, and each device that stays on vfio-pci says why in what was just written.
             self.node.given_back = asked
             result.writes += await self.node.label(node, discovery)

@@ -77,6 +77,8 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
             # One server per device: what the driver finds other servers have, the agent reports.
             agent.other_servers, agent.on_node_change = (lambda: driver.elsewhere), driver.trigger
             driver.on_elsewhere_change = agent.trigger
+            # The uninstall's give-back: the driver gives back, then the agent answers on the Node.
+            agent.given_back_by, driver.on_given_back = (lambda: driver.given_back), agent.trigger
             tasks.append(asyncio.create_task(supervised("DRA driver", driver.run), name="dra"))
         if args.hotplug:
             tasks.append(asyncio.create_task(supervised("hotplug listener", lambda: uevent.listen(agent.trigger)), name="uevents"))

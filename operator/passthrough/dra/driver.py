@@ -159,6 +159,10 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
         self._seen: tuple[dict[str, str], frozenset[str]] | None = None  # the hand-outs the last pass saw
         self._desired: list[dict[str, Any]] | None = None  # the pool's slice specs the last pass wanted
         self._node_uid = ""
+        # The uninstall's give-back request (`plan.giving_back`) this driver has carried out: the
+        # agent answers it on the Node once this says so (`on_given_back` tells it).
+        self.given_back = ""
+        self.on_given_back: Callable[[], None] | None = None
         self.others = OtherServers(self.session, node_name, Path(kubelet_dir) / "pod-resources" / "kubelet.sock", self.trigger)
         # Claims prepared, devices judged and bound, groups given back (`dra.preparer`); the
         # binding conditions answered from the same judge and binds (`dra.answers`).
@@ -319,9 +323,12 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
         self.discovery = discovery
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         self._seen = handed, claimed = self._assignments()
+        asked = node_plan.giving_back(meta.get("labels"))
+        if asked:
+            handed, claimed = {}, frozenset()  # asked for the devices back: nothing is offered, the bound go back
         self.others.judge(discovery, await self.others.served_by_plugins())
         roots = {address: self._pcie_root(address) for address in names}
-        published = [p for p in dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(meta.get("labels")),
+        published = [p for p in dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(node_plan.as_planned(meta.get("labels"))),
                                                       claimed, roots)
                      if p.device.address not in self.elsewhere]  # fmt: skip
         self._candidates = {p.device.address: p.device.iommu_group for p in published}
@@ -353,6 +360,11 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
         # A group another server has is not ours to give back either (its plugin wants it on vfio-pci).
         theirs = [dra_slice.Published(d, "", "") for d in discovery.devices if d.address in self.elsewhere]
         await self.preparer.give_back(published, keep=[*withdrawn, *theirs])
+        if asked != self.given_back:
+            # Given back what nothing holds (a prepared claim's group stays, its device says why).
+            self.given_back = asked
+            if self.on_given_back is not None:
+                self.on_given_back()
         log.debug("%s %d: %d ResourceSlice writes", PASS_LOGGED, self.passes, writes)
         return writes
 
