@@ -54,6 +54,7 @@ PLATFORM = {
             ],
             "mediatedDevices": [],
         },
+        "mediatedDevicesConfiguration": {"mediatedDeviceTypes": [], "nodeMediatedDeviceTypes": []},
     },
     "devices": {"notFoundGracePeriodSeconds": 120, "confirmNewNamespaces": False},
     "discovery": {"sriovVirtualFunctions": True},
