@@ -141,6 +141,15 @@ def claim_pod(name: str, claim: str) -> dict:
     }  # fmt: skip
 
 
+async def claimed_pod(api, kubelet, namespace: str, device_class: str, name: str) -> str:
+    """A claim `name` through `device_class` and its launcher-shaped pod `<name>-launcher`, until
+    the kubelet has created the pod's container; the claim's uid."""
+    await create_claim(api, namespace, claim(name, device_class))
+    await support.create_pod(api, namespace, claim_pod(f"{name}-launcher", name))
+    await created(client.CoreV1Api(api), namespace, kubelet, f"{name}-launcher", timeout=60)
+    return (await read_claim(api, namespace, name))["metadata"]["uid"]
+
+
 async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_it_through_cdi(
     api, kubelet, agent, gpu_host, namespace, unique
 ):
@@ -347,10 +356,7 @@ async def test_a_kubelet_restart_keeps_a_prepared_claim_and_unprepares_it_after(
     device_class = f"passthrough-restart-{unique}"
     await create_namespace_class(api, device_class, namespace)
     try:
-        await create_claim(api, namespace, claim("kept", device_class))
-        await support.create_pod(api, namespace, claim_pod("kept-launcher", "kept"))
-        await created(client.CoreV1Api(api), namespace, kubelet, "kept-launcher", timeout=60)
-        uid = (await read_claim(api, namespace, "kept"))["metadata"]["uid"]
+        uid = await claimed_pod(api, kubelet, namespace, device_class, "kept")
         specs = sorted(p.name for p in claim_files(kubelet, uid))
         assert specs and host.driver(GPU) == "vfio-pci"
         containers = sum(1 for c in kubelet.created_containers() if c.get("envs", {}).get("MARK") == "kept-launcher")

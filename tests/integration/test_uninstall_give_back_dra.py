@@ -12,12 +12,11 @@ import pytest
 from kubernetes_asyncio import client
 
 from e2e import chart, identities, support
-from e2e.support import created
 from passthrough.api.labels import GIVE_BACK_LABEL, GIVEN_BACK_LABEL
 from passthrough.kube.client import session_of
 from tests.integration.test_dra import (  # noqa: F401 (fixtures: a DRA agent over a GPU node)
-    AUDIO, GPU, RESOURCE, agent, claim, claim_files, claim_pod, create_claim, create_namespace_class, delete_claim,
-    gpu_host, kubelet, published,
+    AUDIO, GPU, RESOURCE, agent, claim_files, claimed_pod, create_namespace_class, delete_claim, gpu_host, kubelet,
+    published,
 )
 from tests.integration.test_uninstall_give_back import hook_objects, node_labels, run
 
@@ -37,11 +36,8 @@ async def test_the_pre_delete_hook_has_the_dra_driver_give_back_what_it_bound_an
     await create_namespace_class(api, device_class, namespace)
     try:
         # A VM ran with the GPU and ended: its group stays on vfio-pci while the GPU is handed out.
-        await create_claim(api, namespace, claim("vm-gpu", device_class))
-        await support.create_pod(api, namespace, claim_pod("vm-launcher", "vm-gpu"))
-        await created(core, namespace, kubelet, "vm-launcher", timeout=60)
-        uid = (await session.request("GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/vm-gpu"))["metadata"]["uid"]
-        await support.delete_pod(api, namespace, "vm-launcher")
+        uid = await claimed_pod(api, kubelet, namespace, device_class, "vm-gpu")
+        await support.delete_pod(api, namespace, "vm-gpu-launcher")
         await support.wait_for(lambda: _true(not claim_files(kubelet, uid)), 30, 0.2, what="the claim unprepared")
         assert (host.driver(GPU), host.driver(AUDIO)) == ("vfio-pci", "vfio-pci")
 
