@@ -190,7 +190,7 @@ def test_a_device_handed_out_to_one_namespace_is_never_prepared_for_another(gpu_
                  {"request": "gpu", "driver": dra_slice.DRIVER, "pool": NODE, "device": "pci-0000-af-00-0"}]}}}}  # fmt: skip
     driver = Driver(FakeSession(claim), NODE, kubelet_dir=tmp_path / "kubelet", cdi_dir=tmp_path / "cdi",
                     pci_ids=PciIds.load(Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11"))  # fmt: skip
-    driver.inventory = dra_slice.by_name(dra_slice.publishable(devices, {names[GPUS[1]]: "team-a"}, names, False))
+    driver.preparer.inventory = dra_slice.by_name(dra_slice.publishable(devices, {names[GPUS[1]]: "team-a"}, names, False))
     with pytest.raises(PrepareError, match="belongs to namespace team-a: a claim of team-b never gets it"):
         asyncio.run(driver.preparer.prepare("team-b", "steal", "u-9"))
-    assert driver.prepared == {} and not (tmp_path / "cdi").exists()  # nothing bound, nothing written
+    assert driver.preparer.prepared == {} and not (tmp_path / "cdi").exists()  # nothing bound, nothing written

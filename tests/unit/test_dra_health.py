@@ -99,7 +99,7 @@ def test_a_group_member_losing_its_link_makes_the_device_unhealthy_and_withdrawn
 
 def test_a_held_device_no_longer_offered_is_reported_as_its_hardware_is_not_withdrawn(driver):
     host, drv = driver
-    drv.prepared = {"u-1": PreparedClaim("team-a", "kept", devices=[_prepared(GPU, GROUP)])}
+    drv.preparer.prepared = {"u-1": PreparedClaim("team-a", "kept", devices=[_prepared(GPU, GROUP)])}
     host.write_attribute(AUDIO, "current_link_width", "0")
     assert not _judge(drv)  # not in the slice: nothing to withdraw
     assert drv.health.device_health == {"pci-0000-af-00-0": f"{AUDIO}'s PCIe link is down (current_link_width 0)"}

@@ -28,7 +28,7 @@ PCI_IDS = Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-0
 def _driver(host, tmp_path: Path) -> Driver:
     made = Driver(object(), NODE, sysfs_root=host.sysfs, proc_root=host.proc, dev_root=host.dev,
                   kubelet_dir=tmp_path / "kubelet", cdi_dir=tmp_path / "cdi", pci_ids=PciIds.load(PCI_IDS))  # fmt: skip
-    made.discovery = discover(host.sysfs, host.proc, made.pci_ids)
+    made.preparer.discovery = discover(host.sysfs, host.proc, made.pci_ids)
     return made
 
 
@@ -48,10 +48,10 @@ def test_a_bind_whose_answer_was_lost_is_given_back_by_the_driver_that_starts_ne
         raise asyncio.CancelledError  # ... and the agent stopped before the answer came
 
     first.binder.bind = answer_lost
-    [gpu] = [d for d in first.discovery.devices if d.address == GPU]
+    [gpu] = [d for d in first.preparer.discovery.devices if d.address == GPU]
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(first.preparer.bind_groups([dra_slice.Published(gpu, "npci", "team-a")]))
-    assert first.bound.devices == {}  # no answer: nothing known as moved
+    assert first.preparer.bound.devices == {}  # no answer: nothing known as moved
     state = tmp_path / "kubelet" / "plugins" / DRIVER
     assert json.loads((state / "binding.json").read_text()) == {GPU: "", AUDIO: ""}  # the intent, written first
 
@@ -67,7 +67,7 @@ def test_a_bind_whose_answer_was_lost_is_given_back_by_the_driver_that_starts_ne
     asyncio.run(restarted.preparer.give_back([]))  # nothing published needs the group, no claim holds it
     assert released == [(GROUP, [GPU, AUDIO], {GPU: "", AUDIO: ""})]
     assert _drivers(host) == before
-    assert restarted.bound.devices == {} and restarted.bound.intended == {}
+    assert restarted.preparer.bound.devices == {} and restarted.preparer.bound.intended == {}
 
 
 def test_a_group_an_admin_pinned_to_vfio_pci_is_never_taken_for_the_drivers_own(tmp_path):
@@ -80,7 +80,7 @@ def test_a_group_an_admin_pinned_to_vfio_pci_is_never_taken_for_the_drivers_own(
         raise asyncio.CancelledError
 
     first.binder.bind = answer_lost
-    [gpu] = [d for d in first.discovery.devices if d.address == GPU]
+    [gpu] = [d for d in first.preparer.discovery.devices if d.address == GPU]
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(first.preparer.bind_groups([dra_slice.Published(gpu, "npci", "team-a")]))
     restarted = _driver(host, tmp_path)

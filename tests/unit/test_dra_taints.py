@@ -64,8 +64,8 @@ def test_a_claim_allocated_a_device_that_fell_ill_is_not_prepared_until_it_recov
     driver = Driver(FakeSession(claim), NODE, sysfs_root=host.sysfs, dev_root=host.dev, kubelet_dir=tmp_path / "kubelet",
                     cdi_dir=tmp_path / "cdi", pci_ids=PciIds.load(Path(__file__).resolve().parents[2] / "e2e" / "data" / "pci.ids.2025-07-11"))  # fmt: skip
     [gpu] = [d for d in discover(host.sysfs, host.proc, driver.pci_ids).devices if d.address == GPU]
-    driver.inventory = dra_slice.by_name([dra_slice.Published(gpu, "npci", "team-a")])
+    driver.preparer.inventory = dra_slice.by_name([dra_slice.Published(gpu, "npci", "team-a")])
     driver.health.unhealthy = {GPU: f"{AUDIO}'s PCIe link is down (current_link_width 0)"}
     with pytest.raises(PrepareError, match=r"pci-0000-3b-00-0 \(0000:3b:00.0\) is unhealthy: 0000:3b:00.1's PCIe link is down"):
         asyncio.run(driver.preparer.prepare("team-a", "vm", "u-1"))
-    assert driver.prepared == {} and not (tmp_path / "cdi").exists()
+    assert driver.preparer.prepared == {} and not (tmp_path / "cdi").exists()

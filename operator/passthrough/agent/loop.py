@@ -112,7 +112,7 @@ class Agent:
         self.virtual_functions = virtual_functions  # SR-IOV VFs reported too (an admin's opt-in)
         self.start_jitter = start_jitter
         # DRA mode (no handover): the DRA driver's answer of which devices other servers have
-        # (`Driver.elsewhere`), reported as the device-plugin mode's `others` are, and whom to
+        # (`OtherServers.elsewhere`), reported as the device-plugin mode's `others` are, and whom to
         # tell when the node changes what it publishes: its GPU passthrough mode, or its extended
         # resources (another device plugin came or went).
         self.other_servers: Callable[[], Mapping[str, BindError]] | None = None

@@ -72,11 +72,11 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
                             agent.pci_ids, Path(args.kubelet_dir), Path(args.cdi_dir), rescan, args.sriov_virtual_functions,
                             deadline)  # fmt: skip
             confine(driver.binder, args)
-            driver.on_drivers_moved = agent.trigger  # a prepare or give-back moved drivers: report them now
+            driver.preparer.on_drivers_moved = agent.trigger  # a prepare or give-back moved drivers: report them now
             loop.add_signal_handler(signal.SIGHUP, lambda: (agent.trigger(), driver.trigger()))
             # One server per device: what the driver finds other servers have, the agent reports.
-            agent.other_servers, agent.on_node_change = (lambda: driver.elsewhere), driver.trigger
-            driver.on_elsewhere_change = agent.trigger
+            agent.other_servers, agent.on_node_change = (lambda: driver.others.elsewhere), driver.trigger
+            driver.others.on_change = agent.trigger
             # The uninstall's give-back: the driver gives back, then the agent answers on the Node.
             agent.given_back_by, driver.on_given_back = (lambda: driver.given_back), agent.trigger
             tasks.append(asyncio.create_task(supervised("DRA driver", driver.run), name="dra"))

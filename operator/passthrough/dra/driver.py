@@ -79,7 +79,6 @@ from passthrough.dra.elsewhere import OtherServers
 from passthrough.dra.registration import Registration, serve_on
 from passthrough.dra.answers import BindingAnswers
 from passthrough.dra.preparer import PrepareError, Preparer
-from passthrough.dra.prepared import PreparedClaim
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2 as dra
 from passthrough.dra.kubeletapi.dra_v1 import api_pb2_grpc as dra_grpc
 from passthrough.dra.kubeletapi.drahealth_v1 import api_pb2_grpc as health_grpc
@@ -88,11 +87,10 @@ from passthrough.kube.cache import Informer, Mirror
 from passthrough.kube.client import APPLY_PATCH, ApiError, session_of
 from passthrough.kube.custom import AGENT_MANAGER, Custom
 from passthrough.pci.binder import DEADLINE, Binder
-from passthrough.pci.discovery import Discovery, discover
+from passthrough.pci.discovery import discover
 from passthrough.pci.health import Health
 from passthrough.pci.pciids import PciIds
 from passthrough.pci import overrides
-from passthrough.pci.vfio import BindError
 
 log = logging.getLogger(__name__)
 
@@ -172,57 +170,6 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
 
     def trigger(self, *_: Any) -> None:
         self._wake.set()
-
-    # What the agent and the tests reach through the driver, kept by the rooms that use it.
-
-    @property
-    def prepared(self) -> dict[str, PreparedClaim]:
-        return self.preparer.prepared
-
-    @prepared.setter
-    def prepared(self, value: dict[str, PreparedClaim]) -> None:
-        self.preparer.prepared = value
-
-    @property
-    def inventory(self) -> dict[str, dra_slice.Published]:
-        return self.preparer.inventory
-
-    @inventory.setter
-    def inventory(self, value: dict[str, dra_slice.Published]) -> None:
-        self.preparer.inventory = value
-
-    @property
-    def discovery(self) -> Discovery | None:
-        return self.preparer.discovery
-
-    @discovery.setter
-    def discovery(self, value: Discovery | None) -> None:
-        self.preparer.discovery = value
-
-    @property
-    def bound(self) -> Any:
-        return self.preparer.bound
-
-    @property
-    def on_drivers_moved(self) -> Callable[[], None] | None:
-        return self.preparer.on_drivers_moved
-
-    @on_drivers_moved.setter
-    def on_drivers_moved(self, call: Callable[[], None] | None) -> None:
-        self.preparer.on_drivers_moved = call
-
-    @property
-    def elsewhere(self) -> dict[str, BindError]:
-        """Address -> why another server has it (`dra.elsewhere`), as the last pass or prepare judged."""
-        return self.others.elsewhere
-
-    @property
-    def on_elsewhere_change(self) -> Callable[[], None] | None:
-        return self.others.on_change
-
-    @on_elsewhere_change.setter
-    def on_elsewhere_change(self, call: Callable[[], None] | None) -> None:
-        self.others.on_change = call
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -320,7 +267,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
         discovery = await asyncio.to_thread(discover, self.sysfs_root, self.proc_root, self.pci_ids,
                                             self.binder.overdue_addresses(), virtual_functions=self.virtual_functions,
                                             read_overrides=overrides.AGENT)  # fmt: skip
-        self.discovery = discovery
+        self.preparer.discovery = discovery
         names = {d.address: report.object_name(d, self.node_name) for d in discovery.devices if d.reported}
         self._seen = handed, claimed = self._assignments()
         asked = node_plan.giving_back(meta.get("labels"))
@@ -330,7 +277,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
         roots = {address: self._pcie_root(address) for address in names}
         published = [p for p in dra_slice.publishable(discovery.devices, handed, names, node_plan.gpu_mode(node_plan.as_planned(meta.get("labels"))),
                                                       claimed, roots)
-                     if p.device.address not in self.elsewhere]  # fmt: skip
+                     if p.device.address not in self.others.elsewhere]  # fmt: skip
         self._candidates = {p.device.address: p.device.iommu_group for p in published}
         await self.health.judge(self._candidates, self.preparer.prepared_devices())
         # An ill device stays, tainted (the scheduler and the pods say why); one gone leaves.
@@ -338,7 +285,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
         marks = {**{a: dra_health.BIND_FAILED_TAINT for a in self.preparer.bind_failed_now()}, **marks}
         withdrawn = [p for p in published if p.device.address in marks and marks[p.device.address] is None]
         published = [dataclasses.replace(p, taint=marks.get(p.device.address)) for p in published if p not in withdrawn]
-        self.inventory = dra_slice.by_name(published)
+        self.preparer.inventory = dra_slice.by_name(published)
         # More than 128 devices are several slices; never fewer than the live pool has (no delete).
         at_least = dra_slice.live_count(self._live(1)[0])
         self._desired = desired = dra_slice.specs(self.node_name, published, at_least)
@@ -358,7 +305,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
                      bodies[0]["spec"]["pool"]["generation"])  # fmt: skip
         self.published.set()
         # A group another server has is not ours to give back either (its plugin wants it on vfio-pci).
-        theirs = [dra_slice.Published(d, "", "") for d in discovery.devices if d.address in self.elsewhere]
+        theirs = [dra_slice.Published(d, "", "") for d in discovery.devices if d.address in self.others.elsewhere]
         await self.preparer.give_back(published, keep=[*withdrawn, *theirs])
         if asked != self.given_back:
             # Given back what nothing holds (a prepared claim's group stays, its device says why).
