@@ -64,19 +64,29 @@ def diff(before: Counter, after: Counter) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
-async def quiet(api: client.ApiClient, resources: tuple[str, ...], settle: float = 3, timeout: float = 60) -> None:
+async def quiet(api: client.ApiClient, resources: tuple[str, ...], settle: float = 3, timeout: float = 60,
+                verbs: tuple[str, ...] = WRITE_VERBS) -> None:  # fmt: skip
     """Wait until no write to `resources` has happened for `settle` seconds."""
     deadline = time.monotonic() + timeout
-    last = await write_counts(api)
+    first = last = await write_counts(api)
     calm_since = time.monotonic()
     while time.monotonic() - calm_since < settle:
         if time.monotonic() > deadline:
-            raise AssertionError(f"writes to {resources} did not stop within {timeout:.0f}s")
+            seen = {k: n for k, n in diff(first, last).items() if k[0] in resources and k[1] in verbs}
+            raise AssertionError(f"writes to {resources} did not stop within {timeout:.0f}s: {seen}")
         await asyncio.sleep(0.5)
         now = await write_counts(api)
-        if writes_between(last, now, *resources):
+        if writes_between(last, now, *resources, verbs=verbs):
             calm_since = time.monotonic()
         last = now
+
+
+async def events_from(api: client.ApiClient, component: str) -> dict[str, str]:
+    """The core/v1 Events `component` has posted, by uid: their resourceVersions (counting one
+    up moves it). The API server's counters cannot tell whose Event a write was; the controller-
+    manager posts its own about earlier tests' nodes and workloads for minutes."""
+    listed = await client.CoreV1Api(api).list_event_for_all_namespaces(field_selector=f"reportingComponent={component}")
+    return {event.metadata.uid: event.metadata.resource_version for event in listed.items}
 
 
 async def _raw(api: client.ApiClient, path: str) -> str:

@@ -14,7 +14,7 @@ from kubernetes_asyncio import client
 
 from e2e import support
 from passthrough.controller.world import FINALIZER
-from passthrough.kube.custom import Custom
+from passthrough.kube.custom import OPERATOR_MANAGER, Custom
 
 pytestmark = pytest.mark.cluster
 
@@ -394,14 +394,25 @@ async def test_an_idle_operator_writes_nothing(api, kinds, gpu_device, namespace
     await support.assign(api, name, namespace)
     await wait_condition(npci, name, "Assigned", "Assigned")
     await wait_condition(pcidev, name, "Ready", "Ready", namespace)
-    # Earlier tests' namespaces and nodes are still being cleaned up by the controller-manager;
-    # once that has settled, an idle operator must leave the counters alone.
-    ours = ("nodepcidevices", "pcidevices", "events")
-    await support.quiet(api, ours, settle=3, timeout=60)
-    before = await support.write_counts(api)
+    # Earlier tests' namespaces and nodes are still being cleaned up by the controller-manager
+    # (which posts Events of its own about them); once our kinds have settled, an idle operator
+    # must leave them, and its own Events, alone.
+    ours = ("nodepcidevices", "pcidevices")
+    await support.quiet(api, ours, settle=3, timeout=60, verbs=support.CHANGE_VERBS)
+    await support.wait_for(lambda: _events_settled(api), what="the operator's Events of the assignment posted", timeout=30)
+    before, events_before = await support.write_counts(api), await support.events_from(api, OPERATOR_MANAGER)
+    assert events_before, "the operator's Events of the assignment are not found by their reporting component"
     await asyncio.sleep(5)
-    after = await support.write_counts(api)
+    after, events_after = await support.write_counts(api), await support.events_from(api, OPERATOR_MANAGER)
     assert support.writes_between(before, after, *ours, verbs=support.CHANGE_VERBS) == 0, support.diff(before, after)
+    assert events_after == events_before, "the idle operator posted or counted up Events"
+
+
+async def _events_settled(api) -> bool:
+    """True when the operator's Events stay the same for two seconds."""
+    first = await support.events_from(api, OPERATOR_MANAGER)
+    await asyncio.sleep(2)
+    return await support.events_from(api, OPERATOR_MANAGER) == first
 
 
 async def test_an_iommu_group_goes_to_one_namespace(api, kinds, gpu_device, namespace, unique):
