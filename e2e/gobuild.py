@@ -256,6 +256,42 @@ def ensure(build: GoBuild) -> Path:
         return _build(build)
 
 
+def pkg_config_has(library: str) -> bool:
+    """Whether cgo would find `library`'s headers and link flags (pkg-config's answer)."""
+    return shutil.which("pkg-config") is not None and subprocess.run(["pkg-config", "--exists", library]).returncode == 0
+
+
+def debian_packages(label: str, packages: tuple[str, ...], present: Callable[[], bool]) -> None:
+    """Install `packages` from Debian (apt-get) unless `present()` holds already: what a cgo build
+    needs first. A progress line for each step, the output in a log beside the cache's entries;
+    BuildError, saying what to install, where that cannot be done here."""
+    if present():
+        return
+    wanted = " ".join(packages)
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        raise BuildError(f"the {label} build needs {wanted} (a C library's headers for cgo); "
+                         f"install them (apt-get install {wanted}) or run as root where apt-get can")  # fmt: skip
+    log_path = cache_root() / "debian-packages.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=600", *packages]
+    try:
+        step(label, f"apt-get install {wanted}", install, Path("/"), log_path, env)
+    except BuildError:  # stale or missing package lists (a fresh machine): update once and try again
+        step(label, "apt-get update", ["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=600"], Path("/"), log_path, env)
+        step(label, f"apt-get install {wanted}", install, Path("/"), log_path, env)
+    if not present():
+        raise BuildError(f"{wanted} installed, and the {label} build still cannot find what it needs; see {log_path}")
+
+
+LIBVIRT_DEV = ("libvirt-dev", "pkg-config")  # virt-launcher's code links libvirt's C library (libvirt.org/go/libvirt)
+
+
+def libvirt_dev(label: str) -> Callable[[], None]:
+    """A GoBuild's `prepare` for programs that import libvirt's Go bindings."""
+    return lambda: debian_packages(label, LIBVIRT_DEV, lambda: pkg_config_has("libvirt"))
+
+
 def under_ci() -> bool:
     return os.environ.get("CI", "").lower() == "true"
 

@@ -7,6 +7,7 @@ the Go release and the module's files.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ class GoProgram:
     label: str  # its progress lines' tag and its cache directory's name
     what: str  # what it is, for progress lines and errors
     pinned: str  # the module path whose release names the cache entry
+    cgo: bool = False  # built with cgo, against a C library
+    prepare: Callable[[], None] | None = None  # what the build needs first (that library's headers)
 
     def version(self) -> str:
         return gobuild.required_version(self.module, self.pinned)
@@ -39,7 +42,8 @@ class GoProgram:
         """The program, built first when the cache lacks it. Raises gobuild.BuildError (no `go`, a
         failed build) with a message that says what to do."""
         program = gobuild.Program(self.module, {self.binary: "."})
-        return gobuild.ensure(gobuild.GoBuild(self.label, self.what, self.cache_dir(), (program,), bin_dir="")) / self.binary
+        build = gobuild.GoBuild(self.label, self.what, self.cache_dir(), (program,), bin_dir="", cgo=self.cgo, prepare=self.prepare)
+        return gobuild.ensure(build) / self.binary
 
     def main(self) -> int:
         """`python -m e2e.<its builder>`: build it (or find it) and print its path."""
