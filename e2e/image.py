@@ -307,6 +307,16 @@ def build(tag: str | None = None) -> Built:
         raise ImageError(reason)
     started = time.monotonic()
     base_id = ensure_base()
+    directory = cache_root() / "image"
+    directory.mkdir(parents=True, exist_ok=True)
+    # One build at a time on this machine: two share buildah's apt cache mount, whose lock the
+    # second one's apt-get fails on (exit 100). Wait, then look again: it may be this context.
+    with (directory / ".image.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(tag, base_id, started)
+
+
+def _build(tag: str, base_id: str, started: float) -> Built:
     digest = context_digest(base_id)
     current = image_id(tag)
     if current and _label(tag, CONTEXT_LABEL) == digest:
