@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve devices through Dynamic Resource Allocation (a ResourceSlice, claims) instead of device plugins",
     )
+    p.add_argument(
+        "--per-node-mode",
+        action="store_true",
+        help="let the Node's passthrough.io/mode label (dra or device-plugin) choose how this node serves devices, "
+        "read at start-up; --dra is then the default of nodes without it",
+    )
     p.add_argument("--kubelet-dir", default="/var/lib/kubelet", metavar="DIR",
                    help="the kubelet's root directory, for --dra: plugins_registry/ and plugins/ (default /var/lib/kubelet)")  # fmt: skip
     p.add_argument("--cdi-dir", default="/var/run/cdi", metavar="DIR",

@@ -249,7 +249,7 @@ def test_a_values_file_is_the_platform_values(helm, tmp_path):
     values = {**PLATFORM, "agent": {"nodeSelector": {"passthrough.io/gpu": "true"}}, "operator": {"workers": 4}}
     objects = template(helm, "passthrough", "passthrough-system", values_file(tmp_path / "values.yaml", values))
     spec = one(objects, "PassthroughConfig")["spec"]
-    assert spec == {**PLATFORM, "dra": {"enabled": False}}  # `dra` is the agents' mode, not a value of its own
+    assert spec == {**PLATFORM, "dra": {"enabled": False, "perNode": False}}  # `dra` is the agents' mode, not a value of its own
     parse_values(spec)  # what the operator will read: valid platform values
     # Helm merges maps: the values file's label joins the default one.
     selector = one(objects, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"]
@@ -264,7 +264,7 @@ def test_the_agents_dra_mode_is_what_the_operator_tells_kubevirt(helm, tmp_path)
     for flags, enabled in ((("--set=agent.devicePlugin.dra=true",), True), ((), False),
                            (("--set=agent.devicePlugin.dra=true", "--set=agent.devicePlugin.enabled=false"), False)):
         objects = template(helm, "passthrough", "passthrough-system", *flags)
-        assert one(objects, "PassthroughConfig")["spec"]["dra"] == {"enabled": enabled}, flags
+        assert one(objects, "PassthroughConfig")["spec"]["dra"] == {"enabled": enabled, "perNode": False}, flags
     values = values_file(tmp_path / "values.yaml", {"dra": {"enabled": True}})
     refused = helm("template", "passthrough", str(CHART), values, refused=True)
     assert "dra" in refused  # not a value of its own: the schema refuses it
@@ -737,6 +737,24 @@ def test_dra_mode_gives_the_agent_the_kubelets_plugin_directories_cdi_and_its_sl
     assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]} == {
         (("resourceslices",), ("get", "list", "watch", "create", "patch")), (("resourceclaims",), ("get", "list", "watch")),
         (("resourceclaims/status",), ("patch",)), (("resourceclaims/driver",), ("associated-node:patch",))}
+
+
+def test_where_nodes_choose_their_mode_every_agent_gets_the_dra_mounts_and_reads_its_label(helm, tmp_path):
+    # agent.devicePlugin.perNode: any node may be DRA, so DRA's mounts, RBAC, webhooks and the operator's
+    # --dra are rendered for all; `dra` stays the default of nodes without the label.
+    for default in (False, True):
+        objects = template(helm, "p", "ns", values_file(tmp_path / "v.yaml", {"agent": {"devicePlugin": {"dra": default, "perNode": True}}}))
+        agent = container(objects, "DaemonSet")
+        assert {"--per-node-mode", "--kubelet-dir=/var/lib/kubelet", "--cdi-dir=/var/run/cdi"} <= set(agent["command"])
+        assert ("--dra" in agent["command"]) == default
+        mounts = agent_mounts(one(objects, "DaemonSet")["spec"]["template"]["spec"], agent)
+        assert {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"} <= set(mounts)
+        assert [o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("-agent-dra")]
+        assert "--dra" in container(objects, "Deployment")["command"]
+        webhooks = [w["name"] for o in objects if o["kind"] == "ValidatingWebhookConfiguration" for w in o["webhooks"]]
+        assert "resourceclaims.admission.passthrough.io" in webhooks
+        assert one(objects, "PassthroughConfig")["spec"]["dra"] == {"enabled": default, "perNode": True}
+    assert "--per-node-mode" not in container(template(helm, "p", "ns"), "DaemonSet")["command"]  # opt-in
 
 
 def test_dra_mode_sends_claims_allocations_and_admin_access_to_the_operators_webhooks(helm, tmp_path):

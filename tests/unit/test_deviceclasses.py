@@ -54,3 +54,9 @@ def test_the_class_of_a_namespace_whose_last_device_left_is_deleted_and_others_c
     assert class_owner("gpus-for-all") == ""
     # The owner follows from the name, whether the class exists yet or not.
     assert class_owner(dc.class_name("team-a")) == "team-a"
+
+
+def test_a_node_serves_through_dra_by_its_agents_word_and_the_clusters_default_until_it_has_said():
+    dra_default, plugin_default = {"dra": {"enabled": True, "perNode": True}}, {"dra": {"enabled": False, "perNode": True}}
+    assert dc.through_dra("dra", plugin_default) and not dc.through_dra("device-plugin", dra_default)
+    assert dc.through_dra("", dra_default) and not dc.through_dra("", plugin_default) and not dc.through_dra("", {})

@@ -577,3 +577,12 @@ def test_with_dra_assigned_devices_get_no_entry_and_kubevirt_takes_claims():
     assert names(dra) == TABLE and not dra.left_out
     assert dra.our_feature_gates == ["HostDevices", "HostDevicesWithDRA", "GPUsWithDRA"]
     assert dra.patch["spec"]["configuration"]["developerConfiguration"]["featureGates"] == dra.feature_gates
+
+
+def test_where_nodes_choose_their_mode_kubevirt_gets_the_dra_gates_and_the_entries_it_is_given():
+    # The operator passes only the devices of device-plugin nodes: those keep their entries beside the DRA gates.
+    assigned = [AssignedDevice("pci-a10", "10de", "2236")]
+    for dra in ({"enabled": False, "perNode": True}, {"enabled": True, "perNode": True}):
+        mixed = rendered({**values(), "dra": dra}, assigned=assigned)
+        assert "passthrough.io/pci-a10" in names(mixed)
+        assert mixed.our_feature_gates == ["HostDevices", "HostDevicesWithDRA", "GPUsWithDRA"]

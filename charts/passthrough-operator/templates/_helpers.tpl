@@ -38,3 +38,12 @@ DaemonSet's projected token does. */}}
 {{- define "passthrough.callerNode" -}}
 has(request.userInfo.extra) && 'authentication.kubernetes.io/node-name' in request.userInfo.extra ? request.userInfo.extra['authentication.kubernetes.io/node-name'][0] : ''
 {{- end -}}
+
+{{/* "true" where any node may serve devices through DRA: all by default (agent.devicePlugin.dra), or
+those labelled passthrough.io/mode=dra (agent.devicePlugin.perNode). The DRA mounts, RBAC, webhooks
+and the operator's --dra are rendered then. */}}
+{{- define "passthrough.dra" -}}
+{{- if and .Values.agent.devicePlugin.enabled (or .Values.agent.devicePlugin.dra .Values.agent.devicePlugin.perNode) -}}
+true
+{{- end -}}
+{{- end -}}

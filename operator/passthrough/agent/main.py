@@ -16,7 +16,9 @@ from passthrough.agent import uevent
 from passthrough.agent.handover import Handover
 from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
 from passthrough.agent.metrics import AGENT, AGENT_STATE
+from passthrough.agent.mode import Mode, chosen
 from passthrough.durations import DurationError, parse_duration
+from passthrough.kube.client import ApiError, session_of
 from passthrough.kube.connect import CannotStart, session, smaller_tls_buffers
 from passthrough.kube.review import MetricsReviewer
 from passthrough.pci.binder import Binder
@@ -29,8 +31,10 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
     api = await session(args.kubeconfig, connections=CONNECTIONS)
     endpoint = None
     try:
+        mode, node_uid = await node_mode(api, args) if args.device_plugin else (None, "")
+        dra = mode is not None and mode.dra
         handover = None
-        if args.device_plugin and not args.dra:  # one way to serve devices at a time
+        if args.device_plugin and not dra:  # one way to serve devices at a time
             handover = Handover(
                 sysfs_root=Path(args.sysfs_root),
                 dev_root=Path(args.dev_root),
@@ -54,6 +58,11 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
             start_jitter=jitter,
         )
         AGENT_STATE.plugins = lambda: handover.plugins if handover is not None else None
+        if mode is not None:
+            agent.node.serving = mode.name  # the operator's word on what a device here needs
+            if mode.problem and node_uid:
+                involved = {"api_version": "v1", "kind": "Node", "name": args.node_name, "uid": node_uid}
+                agent.reporter.events.post(involved, "Warning", "ModeLabelNotFollowed", mode.problem)
         try:
             endpoint = await metrics.serve(AGENT, args.metrics_port, args.metrics_addr,
                                            MetricsReviewer(api) if args.metrics_auth else None)  # fmt: skip
@@ -65,7 +74,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(agent.run(), name="agent")]
-        if args.dra:
+        if dra:
             from passthrough.dra.driver import Driver  # gRPC and the DRA protos, for a DRA agent only
 
             driver = Driver(api, args.node_name, Path(args.sysfs_root), Path(args.proc_root), Path(args.dev_root),
@@ -90,6 +99,34 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
         if endpoint is not None:
             await endpoint.cleanup()
         await api.close()
+
+
+async def own_node(api, name: str) -> dict | None:
+    """The agent's Node as the API server has it, None while it does not exist."""
+    try:
+        return await session_of(api).request("GET", f"/api/v1/nodes/{name}")
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+async def node_mode(api, args: argparse.Namespace) -> tuple[Mode, str]:
+    """This node's mode and its Node's uid ("" while there is none), read once: the Node's passthrough.io/mode label where nodes may choose
+    (`--per-node-mode`), `--dra` otherwise or where the label names no mode (said in the log and,
+    once the agent runs, as a Warning Event on the Node)."""
+    try:
+        node = await own_node(api, args.node_name)
+    except ApiError as exc:
+        if args.per_node_mode:  # a guess could serve the node in the mode it was taken out of
+            raise AgentError(f"cannot read Node {args.node_name} for its passthrough.io/mode label: {exc}") from None
+        node = None
+    labels = ((node or {}).get("metadata") or {}).get("labels")
+    mode = chosen(labels, args.dra, args.per_node_mode, args.node_name)
+    if mode.problem:
+        log.warning("%s", mode.problem)
+    log.info("serving devices %s", "as the DRA driver pci.passthrough.io" if mode.dra else "through device plugins")
+    return mode, ((node or {}).get("metadata") or {}).get("uid", "")
 
 
 def confine(binder: Binder, args: argparse.Namespace) -> None:

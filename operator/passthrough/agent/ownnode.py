@@ -1,6 +1,6 @@
 """The agent's own Node: read at each scan (its labels as the plan reads them, its extended
-resources), labelled with what the node can do and with the answer to a give-back request, and
-watched for the changes that call for a scan."""
+resources), labelled with what the node can do, the mode it serves devices in and the answer to a
+give-back request, and watched for the changes that call for a scan."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from passthrough.agent import metrics
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
-from passthrough.api.labels import GIVEN_BACK_LABEL
+from passthrough.api.labels import GIVEN_BACK_LABEL, SERVING_LABEL
 from passthrough.kube.client import APPLY_PATCH as APPLY, ApiError
 from passthrough.kube.custom import AGENT_MANAGER
 from passthrough.pci import preflight
@@ -33,6 +33,7 @@ class OwnNode:
         self.labels: dict[str, str] = {}  # as the plan reads them (`plan.as_planned`)
         self.resources: dict[str, str] | None = None  # its extended resources, as a scan last read them
         self.given_back = ""  # the give-back request this agent has answered on its Node
+        self.serving = ""  # the mode it serves devices in (SERVING_LABEL); "" when it serves none
 
     async def read(self) -> report.Node | None:
         """The Node now (None while it does not exist). Plain JSON, not the client's V1Node model:
@@ -54,6 +55,8 @@ class OwnNode:
     async def label(self, node: report.Node, discovery: Discovery) -> int:
         """Labels what `passthrough discover --check` says, and the give-back answer; the writes made."""
         labels = preflight.node_labels(discovery.node)
+        if self.serving:
+            labels[SERVING_LABEL] = self.serving
         answer = self.given_back if self.given_back == node_plan.giving_back(self.labels) else ""
         if answer:
             labels[GIVEN_BACK_LABEL] = answer

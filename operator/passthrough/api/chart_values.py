@@ -143,6 +143,12 @@ class DevicePluginValues(Values):
         description="Dynamic Resource Allocation instead of device plugins (beta): publish ResourceSlices and serve "
         "the kubelet's DRA plugin API as driver pci.passthrough.io; claims name the devices.",
     )
+    perNode: bool = Field(
+        default=False,
+        description="Each node chooses with its label passthrough.io/mode (dra or device-plugin), read when its agent "
+        "starts; `dra` is the default of nodes without it. The DRA mounts, RBAC, webhooks and KubeVirt gates are "
+        "rendered, and KubeVirt keeps the entries of devices on device-plugin nodes.",
+    )
 
 
 class AppArmorProfile(Values):
@@ -243,7 +249,7 @@ class RuntimeValues(Values):
 
 # PassthroughConfig keys the chart derives from other values, not values of their own: one
 # switch for one thing (the agents' mode and what KubeVirt is told cannot disagree).
-DERIVED = {"dra": "agent.devicePlugin.dra"}
+DERIVED = {"dra": "agent.devicePlugin.dra and agent.devicePlugin.perNode"}
 
 
 def values_schema() -> dict[str, Any]:

@@ -12,3 +12,10 @@ VFIO_PCI_LABEL = "passthrough.io/vfio-pci"
 # each device left on vfio-pci stays.
 GIVE_BACK_LABEL = "passthrough.io/give-back"
 GIVEN_BACK_LABEL = "passthrough.io/given-back"
+# On a Node, the admin's: how its agent serves devices, "dra" or "device-plugin", where the chart
+# lets nodes choose (agent.devicePlugin.perNode); read when the agent starts. SERVING_LABEL is the
+# agent's answer, the mode it serves in: the operator decides by it what a device on that node needs
+# (a DeviceClass claim or a permittedHostDevices entry).
+MODE_LABEL = "passthrough.io/mode"
+SERVING_LABEL = "passthrough.io/serving"
+DRA_MODE, DEVICE_PLUGIN_MODE = "dra", "device-plugin"

@@ -425,14 +425,23 @@ class DiscoverySettings(APIModel):
 
 
 class DRASettings(APIModel):
-    """Dynamic Resource Allocation (the chart's agent.devicePlugin.dra): the agents publish
-    ResourceSlices instead of serving device plugins, and VMs ask through ResourceClaims."""
+    """Dynamic Resource Allocation (the chart's agent.devicePlugin.dra and perNode): the agents publish
+    ResourceSlices instead of serving device plugins, and VMs ask through ResourceClaims; on every
+    node, or on the nodes that choose it."""
 
     enabled: bool = Field(
         default=False,
         description=(
             "KubeVirt takes devices from ResourceClaims (its HostDevicesWithDRA and GPUsWithDRA gates are turned on), "
             "and an assigned device needs no permittedHostDevices entry of its own: none is written."
+        ),
+    )
+    perNode: bool = Field(
+        default=False,
+        description=(
+            "Nodes choose their mode with the label passthrough.io/mode (dra or device-plugin; `enabled` is the default "
+            "of nodes without it): KubeVirt's DRA gates are turned on, and an assigned device gets its permittedHostDevices "
+            "entry where its node's agent serves device plugins (the Node's passthrough.io/serving label)."
         ),
     )
 

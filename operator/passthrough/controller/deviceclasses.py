@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from passthrough.admission.claims import CLASS_PREFIX, POOL_CLASS, handed_to
+from passthrough.api.labels import DRA_MODE
 from passthrough.api.views import NodeDevice
 from passthrough.dra.slice import DOMAIN, DRIVER
 from passthrough.kube.custom import OPERATOR_MANAGER
@@ -73,6 +74,16 @@ def body(namespace: str) -> dict[str, Any]:
         "metadata": {"name": class_name(namespace), "labels": {NAMESPACE_LABEL: namespace, MANAGED_BY: OPERATOR_MANAGER}},
         "spec": {"selectors": selectors(namespace)},
     }
+
+
+def through_dra(serving: str, spec: Mapping[str, Any] | None) -> bool:
+    """Whether a node serves its devices through DRA (a claim of a DeviceClass reaches them, and KubeVirt
+    needs no allow-list entry for them): its agent's word, the Node's passthrough.io/serving label, or
+    until it has said, the cluster's default (the PassthroughConfig's spec.dra.enabled)."""
+    if serving:
+        return serving == DRA_MODE
+    dra = (spec or {}).get("dra")
+    return isinstance(dra, Mapping) and dra.get("enabled") is True
 
 
 def namespaces_with_devices(node_devices: Iterable[NodeDevice]) -> set[str]:

@@ -19,6 +19,7 @@ import kopf
 
 from passthrough.admission.claims import handed_to
 from passthrough.admission.rules import PREFIX as EXCLUSIVE_PREFIX, referenced_device_names
+from passthrough.api.labels import SERVING_LABEL
 from passthrough.api.models import CONFIG_NAME, GROUP, NODE_PCI_DEVICE, PASSTHROUGH_CONFIG, PCI_DEVICE, VERSION
 from passthrough.api.views import Device, NodeDevice
 from passthrough.controller import allocations, deviceclasses
@@ -65,6 +66,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: An
     )
     memo.reconciler.sync_device_classes_soon()
     memo.vm_seen = {}
+    memo.node_serving = {}  # Node name -> the mode its agent said it serves in, as last seen
     memo.claim_seen = {}
     memo.indexed = asyncio.Event()
     memo.tasks = [
@@ -138,8 +140,9 @@ DEVICE_INDEXES = {rec.DEVICES: lambda d: {d.name: d}}
 
 
 @kopf.index("", "v1", "nodes", id=rec.NODES)
-async def nodes_index(name: str, uid: str, **_: Any) -> dict[str, str]:
-    return {name: uid}
+async def nodes_index(name: str, uid: str, labels: kopf.Labels, **_: Any) -> dict[str, tuple[str, str]]:
+    # The mode its agent serves in: a claim or an allow-list entry reaches its devices.
+    return {name: (uid, labels.get(SERVING_LABEL, ""))}
 
 
 @kopf.index("kubevirt.io", "v1", "virtualmachines", id=rec.VM_REFERENCES)
@@ -220,10 +223,17 @@ async def namespace_event(name: str, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event("", "v1", "nodes")
-async def node_event(name: str, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    # Only a Node's coming and going matters here; its status heartbeats do not.
-    if type in ("ADDED", "DELETED"):
+async def node_event(name: str, type: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    # A Node's coming and going matters here, and a change of the mode its agent serves in (how a
+    # tenant uses its devices, whether KubeVirt needs their entries); its status heartbeats do not.
+    serving = "" if type == "DELETED" else labels.get(SERVING_LABEL, "")
+    before = memo.node_serving.pop(name, None) if type == "DELETED" else memo.node_serving.get(name)
+    if type != "DELETED":
+        memo.node_serving[name] = serving
+    if type in ("ADDED", "DELETED") or (before is not None and before != serving):
         _enqueue(memo, memo.reconciler.indices[rec.DEVICES_BY_NODE].get(name, ()))
+    if before is not None and before != serving:
+        memo.reconciler.sync_kubevirt_soon()
 
 
 @kopf.on.event(GROUP, VERSION, PASSTHROUGH_CONFIG.plural)

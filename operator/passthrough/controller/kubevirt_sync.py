@@ -356,7 +356,8 @@ def _unapplied(plan: SyncPlan, config: ConfigView, kubevirt: KubeVirtView | None
     plan.left_out = {name: why for name, why in (rendered.left_out if rendered else {}).items() if name in names}
     plan.unapplied = dict(plan.left_out)
     dra_values = config.spec.get("dra")
-    dra = isinstance(dra_values, Mapping) and dra_values.get("enabled") is True
+    # Every node in DRA mode: no device needs an entry. Where nodes choose, those of device-plugin nodes do.
+    dra = isinstance(dra_values, Mapping) and dra_values.get("enabled") is True and dra_values.get("perNode") is not True
     if plan.problems and kubevirt is not None and not dra:
         have = {e.get("resourceName") for e in (rendered.pci_host_devices if rendered else [])}
         why = f"the PassthroughConfig is invalid ({'; '.join(plan.problems)})"

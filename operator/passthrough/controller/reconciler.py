@@ -192,10 +192,18 @@ class Reconciler:
         return tuple(sorted(set(found), key=lambda c: (c.namespace, c.name)))
 
     def device_class(self, npci: NodeDevice | None) -> str:
-        """DRA mode: the DeviceClass of the device's namespace (controller/deviceclasses.py)."""
-        if CLAIMS not in self.indices or npci is None or not npci.assigned_namespace:
+        """DRA mode: the DeviceClass of the device's namespace (controller/deviceclasses.py), where its
+        node serves through DRA ("" on a device-plugin node of a cluster whose nodes choose)."""
+        if CLAIMS not in self.indices or npci is None or not npci.assigned_namespace or not self.through_dra(npci.node_name):
             return ""
         return deviceclasses.class_name(npci.assigned_namespace)
+
+    def through_dra(self, node: str) -> bool:
+        """Whether `node` serves through DRA: its agent's word on its Node, the cluster's default until then."""
+        config = self.config()
+        spec = config.spec if config else {"dra": {"enabled": True}}  # the operator runs --dra: DRA is the default
+        found = _values(self.indices.get(NODES), node)
+        return deviceclasses.through_dra(found[0][1] if found and isinstance(found[0], tuple) else "", spec)
 
     def devices_at(self, pool: str, device: str) -> list[str]:
         """The NodePCIDevices an allocation result of (pool, device) names: those of that node at
@@ -388,6 +396,8 @@ class Reconciler:
         kubevirt = found[0] if found else None
         node_devices = {d.name: d for store in self.indices[NODE_DEVICES].values() for d in store}
         assigned = kubevirt_sync.assigned_devices((d for store in self.indices[DEVICES].values() for d in store), node_devices)
+        if (config.spec.get("dra") or {}).get("perNode") is True:  # only devices on device-plugin nodes need an entry
+            assigned = [d for d in assigned if not self.through_dra(node_devices[d.name].node_name)]
         advertised = kubevirt_sync.advertised(node_devices.values())
         plan = kubevirt_sync.plan_sync(config, kubevirt, assigned, advertised,
                                        self.last_good, datetime.datetime.now(datetime.UTC))

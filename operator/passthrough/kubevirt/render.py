@@ -155,9 +155,11 @@ def render(
     Raises ValuesError listing every problem of the values. An assigned device whose entry cannot
     be written does not: it is left out, and `left_out` says why.
     """
-    # With DRA, a VM names a ResourceClaim, not a resource: assigned devices need no entries.
-    plan = plan_spec(spec, () if spec.dra.enabled else assigned)
-    wanted = _unique([HOST_DEVICES_GATE, *(DRA_GATES if spec.dra.enabled else ()), *spec.kubevirt.extraFeatureGates])
+    # With DRA, a VM names a ResourceClaim, not a resource: assigned devices need no entries. Where
+    # nodes choose their mode, the caller passes only the devices of device-plugin nodes.
+    plan = plan_spec(spec, () if spec.dra.enabled and not spec.dra.perNode else assigned)
+    dra = spec.dra.enabled or spec.dra.perNode
+    wanted = _unique([HOST_DEVICES_GATE, *(DRA_GATES if dra else ()), *spec.kubevirt.extraFeatureGates])
     ours = [g for g in wanted if g not in disabled_gates]
     dropped = set(wanted) | set(previous_gates)
     gates = ours + _unique(g for g in live_gates if g not in dropped)
