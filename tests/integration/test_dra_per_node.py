@@ -176,6 +176,67 @@ async def test_each_node_serves_in_its_own_mode_and_a_vm_shaped_pod_on_each_gets
         await support.assign(api, on_plugin, "")
 
 
+async def node_event(core, node: str, reason: str):
+    events = await core.list_namespaced_event("default", field_selector=f"involvedObject.name={node}")
+    return next((e for e in events.items if e.reason == reason), None)
+
+
+async def test_a_node_moved_to_device_plugins_stays_in_dra_while_a_claim_holds_its_device_then_serves_it_as_a_resource(
+    api, kubelets, agents, hosts, namespace
+):
+    # The last of the module to use the kubelets: it leaves node `dra` in device-plugin mode.
+    core = client.CoreV1Api(api)
+    kubelet, agent = kubelets["dra"], agents["dra"]
+    node = kubelet.node_name
+    gpu = (await support.reported(api, node, (GPU, AUDIO)))[GPU]
+    resource = exclusive_resource_name(gpu)
+    await support.assign(api, gpu, namespace)
+    device_class = f"passthrough-{namespace}"
+    await support.wait_for(lambda: _class_exists(api, device_class), 30, 0.2, what=f"DeviceClass {device_class}")
+    await create_claim(api, namespace, claim("held-gpu", device_class))
+    await support.create_pod(api, namespace, claim_pod("held-launcher", "held-gpu"))
+    await created(core, namespace, kubelet, "held-launcher", timeout=60)
+    checkpoint = kubelet.root_dir / "plugins" / DRIVER / "checkpoint.json"
+    try:
+        # The admin moves the node to device plugins and its agent restarts: the claim's pod still
+        # runs, so the node stays a DRA node, says why, and serves no resource a second pod could get.
+        await core.patch_node(node, {"metadata": {"labels": {MODE_LABEL: "device-plugin"}}})
+        assert agent.stop() == 0
+        agent.start()
+        event = await support.wait_for(lambda: node_event(core, node, "ModeChangeWaiting"), 30, 0.2,
+                                       what=lambda: f"ModeChangeWaiting on {node}; agent log:\n{agent.output()[-3000:]}")  # fmt: skip
+        assert event.type == "Warning"
+        assert f"claim {namespace}/held-gpu still holds devices it served in dra mode" in event.message
+        assert await serving(core, node) == "dra" and agent.alive()
+        assert not list(kubelet.device_plugin_dir.glob("passthrough-*"))
+        assert resource not in await resources(core, node)
+
+        # Its pod and claim gone (the DRA driver, still serving, unprepared it), the next start serves
+        # the device as its resource, and a launcher pod gets it.
+        await support.delete_pod(api, namespace, "held-launcher")
+        await delete_claim(session_of(api), namespace, "held-gpu")
+        await support.wait_for(lambda: _empty(checkpoint), 30, 0.2, what="the claim unprepared")
+        assert agent.stop() == 0
+        agent.start()
+        await support.wait_for(lambda: _is(serving(core, node), "device-plugin"), 30, 0.2,
+                               what=lambda: f"{node} serving device plugins; agent log:\n{agent.output()[-3000:]}")  # fmt: skip
+        await wait_resources(core, node, {resource: "1"}, agent)
+        await support.create_pod(api, namespace, support.launcher_pod("moved-launcher", resource))
+        container = await created(core, namespace, kubelet, "moved-launcher", timeout=60)
+        assert container["envs"][resource_env_name(resource)] == GPU
+        assert hosts["dra"].driver(GPU) == "vfio-pci"
+    finally:
+        for pod in ("held-launcher", "moved-launcher"):
+            with contextlib.suppress(client.exceptions.ApiException):
+                await support.delete_pod(api, namespace, pod)
+        await delete_claim(session_of(api), namespace, "held-gpu")
+        await support.assign(api, gpu, "")
+
+
+async def _empty(checkpoint: Path) -> bool:
+    return not checkpoint.exists() or checkpoint.read_text().strip() in ("{}", "")
+
+
 async def test_a_mode_label_that_names_no_mode_gets_a_warning_on_the_node_and_the_default(api, cluster, node, tmp_path):
     core = client.CoreV1Api(api)
     await core.patch_node(node.name, {"metadata": {"labels": {MODE_LABEL: "DRA"}}})
@@ -185,11 +246,8 @@ async def test_a_mode_label_that_names_no_mode_gets_a_warning_on_the_node_and_th
         await support.wait_for(lambda: _is(serving(core, node.name), "device-plugin"), 30, 0.2,
                                what=lambda: f"{node.name} served in the default mode; agent log:\n{proc.output()[-3000:]}")  # fmt: skip
 
-        async def warned():
-            events = await core.list_namespaced_event("default", field_selector=f"involvedObject.name={node.name}")
-            return next((e for e in events.items if e.reason == "ModeLabelNotFollowed"), None)
-
-        event = await support.wait_for(warned, 30, 0.2, what="a Warning Event on the Node")
+        event = await support.wait_for(lambda: node_event(core, node.name, "ModeLabelNotFollowed"), 30, 0.2,
+                                       what="a Warning Event on the Node")
         assert event.type == "Warning" and event.involved_object.kind == "Node"
         assert f"label {MODE_LABEL}=DRA is neither dra nor device-plugin" in event.message
         assert "Set it to dra or device-plugin, or remove it" in event.message

@@ -13,15 +13,19 @@ from pathlib import Path
 
 from passthrough import metrics
 from passthrough.agent import uevent
+from passthrough.agent.bound import Bound
 from passthrough.agent.handover import Handover
 from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
 from passthrough.agent.metrics import AGENT, AGENT_STATE
-from passthrough.agent.mode import Mode, chosen
+from passthrough.agent.mode import Mode, chosen, kept
+from passthrough.api.labels import DRA_MODE, SERVING_LABEL
+from passthrough.deviceplugin import podresources
 from passthrough.durations import DurationError, parse_duration
 from passthrough.kube.client import ApiError, session_of
 from passthrough.kube.connect import CannotStart, session, smaller_tls_buffers
 from passthrough.kube.review import MetricsReviewer
 from passthrough.pci.binder import Binder
+from passthrough.pci.naming import EXCLUSIVE_DOMAIN
 from passthrough.pci.pciids import PciIds
 
 log = logging.getLogger("passthrough.agent")
@@ -62,7 +66,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
             agent.node.serving = mode.name  # the operator's word on what a device here needs
             if mode.problem and node_uid:
                 involved = {"api_version": "v1", "kind": "Node", "name": args.node_name, "uid": node_uid}
-                agent.reporter.events.post(involved, "Warning", "ModeLabelNotFollowed", mode.problem)
+                agent.reporter.events.post(involved, "Warning", mode.reason, mode.problem)
         try:
             endpoint = await metrics.serve(AGENT, args.metrics_port, args.metrics_addr,
                                            MetricsReviewer(api) if args.metrics_auth else None)  # fmt: skip
@@ -121,12 +125,40 @@ async def node_mode(api, args: argparse.Namespace) -> tuple[Mode, str]:
         if args.per_node_mode:  # a guess could serve the node in the mode it was taken out of
             raise AgentError(f"cannot read Node {args.node_name} for its passthrough.io/mode label: {exc}") from None
         node = None
-    labels = ((node or {}).get("metadata") or {}).get("labels")
+    labels = ((node or {}).get("metadata") or {}).get("labels") or {}
     mode = chosen(labels, args.dra, args.per_node_mode, args.node_name)
     if mode.problem:
         log.warning("%s", mode.problem)
+    serving = labels.get(SERVING_LABEL, "")
+    if serving and serving != mode.name:
+        switched = kept(mode, serving, await held_as(serving, args), args.node_name)
+        if switched != mode:
+            mode = switched
+            log.warning("%s", mode.problem)
     log.info("serving devices %s", "as the DRA driver pci.passthrough.io" if mode.dra else "through device plugins")
     return mode, ((node or {}).get("metadata") or {}).get("uid", "")
+
+
+async def held_as(serving: str, args: argparse.Namespace) -> list[str]:
+    """What still holds devices this node served in mode `serving`: the claims its DRA driver
+    prepared (its checkpoint), or the pods holding resources of its device plugins (the kubelet's
+    PodResources: of our resources, of devices the last agent bound, or of a resource no plugin serves
+    now, as ours stopped with the last agent)."""
+    if serving == DRA_MODE:
+        from passthrough.dra.prepared import load_checkpoint  # the DRA driver's record, for a switch from DRA only
+        from passthrough.dra.slice import DRIVER
+
+        prepared = load_checkpoint(Path(args.kubelet_dir) / "plugins" / DRIVER)
+        return sorted(f"claim {c.namespace}/{c.name}" for c in prepared.values())
+    try:
+        kubelet = await podresources.view(Path(args.pod_resources_socket))
+    except podresources.PodResourcesUnavailable as exc:
+        log.warning("cannot ask the kubelet which pods hold this node's devices (%s): switching modes as if none did", exc)
+        return []
+    served = {name for names in kubelet.allocatable.values() for name in names}
+    bound = Bound(Path(args.state_dir)).devices  # what the device plugins' agent bound: its pools' GPUs too
+    return sorted({f"pod {h.namespace}/{h.pod} ({h.resource})" for device, holders in kubelet.holders.items() for h in holders
+                   if h.resource.startswith(f"{EXCLUSIVE_DOMAIN}/") or device in bound or h.resource not in served})  # fmt: skip
 
 
 def confine(binder: Binder, args: argparse.Namespace) -> None:
