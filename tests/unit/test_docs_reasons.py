@@ -157,7 +157,7 @@ def test_the_table_has_no_reason_the_code_never_writes(found) -> None:
 
 
 def test_every_entry_says_what_it_means_what_to_do_and_where() -> None:
-    kinds = {reasons.NODE_PCI_DEVICE, reasons.PCI_DEVICE, reasons.CONFIG, reasons.RESOURCE_CLAIM}
+    kinds = {reasons.NODE_PCI_DEVICE, reasons.PCI_DEVICE, reasons.CONFIG, reasons.RESOURCE_CLAIM, reasons.NODE}
     for name, reason in reasons.REASONS.items():
         assert re.fullmatch(CAMEL_CASE_REASON, name), name
         assert reason.meaning.endswith(".") and reason.todo.endswith("."), name

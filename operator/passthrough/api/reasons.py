@@ -17,6 +17,7 @@ from dataclasses import dataclass
 NODE_PCI_DEVICE, PCI_DEVICE, CONFIG = "NodePCIDevice", "PCIDevice", "PassthroughConfig"
 # In DRA mode the node's driver answers in a ResourceClaim's status.devices, per device.
 RESOURCE_CLAIM = "ResourceClaim"
+NODE = "Node"  # the agent's word on its node's mode, at start-up
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,22 @@ REASONS: dict[str, Reason] = {
         "the operator's feature gates).",
         "Nothing.",
         (), (f"{CONFIG}/Normal",),
+    ),
+    # -- a node's mode, where nodes choose (the Node's passthrough.io/mode label), said by its agent at start
+    "ModeLabelNotFollowed": Reason(
+        "The Node's passthrough.io/mode label names no mode (only dra and device-plugin do), or nodes do not "
+        "choose their mode in this installation (the chart's agent.devicePlugin.perNode is false): the node's "
+        "agent serves in the cluster's default mode.",
+        "Set the label to dra or device-plugin, or remove it (with perNode false, set agent.devicePlugin.perNode="
+        "true to let nodes choose), then restart the node's agent pod.",
+        (), (f"{NODE}/Warning",),
+    ),
+    "ModeChangeWaiting": Reason(
+        "The Node's passthrough.io/mode label asks for the other mode, but claims or pods (the message names "
+        "them) still hold devices the node served in the mode it was in: it stays in that mode, so that no "
+        "device is served both ways to two users.",
+        "Let those pods end (move or stop their VMs), then restart the node's agent pod.",
+        (), (f"{NODE}/Warning",),
     ),
 }
 
