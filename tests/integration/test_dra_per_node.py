@@ -201,6 +201,8 @@ async def test_a_node_moved_to_device_plugins_stays_in_dra_while_a_claim_holds_i
         # The admin moves the node to device plugins and its agent restarts: the claim's pod still
         # runs, so the node stays a DRA node, says why, and serves no resource a second pod could get.
         await core.patch_node(node, {"metadata": {"labels": {MODE_LABEL: "device-plugin"}}})
+        said = f"Node {node}'s label {MODE_LABEL} is now 'device-plugin': this agent serves in dra mode until it starts again"
+        await support.wait_for(lambda: _said(agent, said), 30, 0.2, what="the running agent saying the label waits for its restart")
         assert agent.stop() == 0
         agent.start()
         event = await support.wait_for(lambda: node_event(core, node, "ModeChangeWaiting"), 30, 0.2,
@@ -231,6 +233,10 @@ async def test_a_node_moved_to_device_plugins_stays_in_dra_while_a_claim_holds_i
                 await support.delete_pod(api, namespace, pod)
         await delete_claim(session_of(api), namespace, "held-gpu")
         await support.assign(api, gpu, "")
+
+
+async def _said(agent, line: str) -> bool:
+    return line in agent.output()
 
 
 async def _empty(checkpoint: Path) -> bool:

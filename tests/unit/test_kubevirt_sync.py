@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-from passthrough.controller.kubevirt_sync import (ConfigView, KubeVirtView, advertised, assigned_devices, needs_apply, plan_sync,
+from passthrough.controller.kubevirt_sync import (ConfigView, KubeVirtView, advertised, assigned_devices, needs_apply, on_device_plugin_nodes, plan_sync,
                                                   release)
 from passthrough.api.views import Device, NodeDevice
 from passthrough.kubevirt.allowlist import AssignedDevice
@@ -345,3 +345,14 @@ def test_with_dra_invalid_values_leave_no_assigned_device_waiting_for_an_entry()
     assert plan.problems and plan.unapplied == {"pci-a": plan.unapplied["pci-a"]}  # waits for its entry
     plan = plan_sync(config({**bad, "dra": {"enabled": True}}), live, assigned, [], None, NOW)
     assert plan.problems and plan.unapplied == {}  # with DRA it needs none
+
+
+def test_where_nodes_choose_only_device_plugin_nodes_devices_need_entries_and_advertise():
+    on_plugins = NodeDevice.of({"metadata": {"name": "pci-p", "uid": "uid-p"},
+                                "status": {"attributes": {"vendorID": "10de", "deviceID": "2236", "nodeName": "plugins"}}})  # fmt: skip
+    live = {"pci-a": node_device("pci-a", "uid-a"), "pci-p": on_plugins}  # pci-a's node, n1, serves through DRA
+    assigned = assigned_devices([pci_device("pci-a", "team-a", "uid-a"), pci_device("pci-p", "team-a", "uid-p")], live)
+    pools = advertised([pooled_gpu("n1", "True", "Ready"), pooled_gpu("plugins", "True", "Ready")])
+    kept, advertising = on_device_plugin_nodes(assigned, pools, live, lambda node: node == "n1")
+    assert kept == [AssignedDevice("pci-p", "10de", "2236")]
+    assert [a.node for a in advertising] == ["plugins"]

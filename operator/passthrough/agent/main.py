@@ -18,7 +18,7 @@ from passthrough.agent.handover import Handover
 from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
 from passthrough.agent.metrics import AGENT, AGENT_STATE
 from passthrough.agent.mode import Mode, chosen, kept
-from passthrough.api.labels import DRA_MODE, SERVING_LABEL
+from passthrough.api.labels import DRA_MODE, MODE_LABEL, SERVING_LABEL
 from passthrough.deviceplugin import podresources
 from passthrough.durations import DurationError, parse_duration
 from passthrough.kube.client import ApiError, session_of
@@ -35,7 +35,8 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
     api = await session(args.kubeconfig, connections=CONNECTIONS)
     endpoint = None
     try:
-        mode, node_uid = await node_mode(api, args) if args.device_plugin else (None, "")
+        mode, node = await node_mode(api, args) if args.device_plugin else (None, None)
+        metadata = (node or {}).get("metadata") or {}
         dra = mode is not None and mode.dra
         handover = None
         if args.device_plugin and not dra:  # one way to serve devices at a time
@@ -64,8 +65,10 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
         AGENT_STATE.plugins = lambda: handover.plugins if handover is not None else None
         if mode is not None:
             agent.node.serving = mode.name  # the operator's word on what a device here needs
-            if mode.problem and node_uid:
-                involved = {"api_version": "v1", "kind": "Node", "name": args.node_name, "uid": node_uid}
+            if args.per_node_mode:  # a later change of the label is said, and waits for the next start
+                agent.node.mode_label = (metadata.get("labels") or {}).get(MODE_LABEL, "")
+            if mode.problem and metadata.get("uid"):
+                involved = {"api_version": "v1", "kind": "Node", "name": args.node_name, "uid": metadata["uid"]}
                 agent.reporter.events.post(involved, "Warning", mode.reason, mode.problem)
         try:
             endpoint = await metrics.serve(AGENT, args.metrics_port, args.metrics_addr,
@@ -115,8 +118,8 @@ async def own_node(api, name: str) -> dict | None:
         raise
 
 
-async def node_mode(api, args: argparse.Namespace) -> tuple[Mode, str]:
-    """This node's mode and its Node's uid ("" while there is none), read once: the Node's passthrough.io/mode label where nodes may choose
+async def node_mode(api, args: argparse.Namespace) -> tuple[Mode, dict | None]:
+    """This node's mode and its Node as read then (None while there is none), read once: the Node's passthrough.io/mode label where nodes may choose
     (`--per-node-mode`), `--dra` otherwise or where the label names no mode (said in the log and,
     once the agent runs, as a Warning Event on the Node)."""
     try:
@@ -136,7 +139,7 @@ async def node_mode(api, args: argparse.Namespace) -> tuple[Mode, str]:
             mode = switched
             log.warning("%s", mode.problem)
     log.info("serving devices %s", "as the DRA driver pci.passthrough.io" if mode.dra else "through device plugins")
-    return mode, ((node or {}).get("metadata") or {}).get("uid", "")
+    return mode, node
 
 
 async def held_as(serving: str, args: argparse.Namespace) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 from passthrough.agent import metrics
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
-from passthrough.api.labels import GIVEN_BACK_LABEL, SERVING_LABEL
+from passthrough.api.labels import GIVEN_BACK_LABEL, MODE_LABEL, SERVING_LABEL
 from passthrough.kube.client import APPLY_PATCH as APPLY, ApiError
 from passthrough.kube.custom import AGENT_MANAGER
 from passthrough.pci import preflight
@@ -34,6 +34,7 @@ class OwnNode:
         self.resources: dict[str, str] | None = None  # its extended resources, as a scan last read them
         self.given_back = ""  # the give-back request this agent has answered on its Node
         self.serving = ""  # the mode it serves devices in (SERVING_LABEL); "" when it serves none
+        self.mode_label: str | None = None  # where nodes choose: MODE_LABEL as the agent started ("" absent)
 
     async def read(self) -> report.Node | None:
         """The Node now (None while it does not exist). Plain JSON, not the client's V1Node model:
@@ -48,6 +49,12 @@ class OwnNode:
             raise
         self._forget("node-missing")
         metadata = body["metadata"]
+        asked = (metadata.get("labels") or {}).get(MODE_LABEL, "")
+        if self.mode_label is not None and asked != self.mode_label:
+            self._log_once("mode-label", "Node %s's label %s is now %r: this agent serves in %s mode until it starts "
+                           "again (restart its pod to apply the label)", self.name, MODE_LABEL, asked, self.serving)  # fmt: skip
+        else:
+            self._forget("mode-label")
         self.labels = node_plan.as_planned(metadata.get("labels"))
         self.resources = extended_resources(body)
         return report.Node(name=self.name, uid=metadata["uid"])
@@ -74,19 +81,24 @@ class OwnNode:
 class NodeChanges:
     """Seen on the watch of the agent's Node: a change of GPU passthrough mode (a label an admin
     sets) calls `on_mode`, a change of its extended resources (another device plugin registered,
-    went or changed: one server per device) calls `on_resources`."""
+    went or changed: one server per device) or of its passthrough.io/mode label calls `on_resources`."""
 
     def __init__(self, own: OwnNode, on_mode: Callable[[], None], on_resources: Callable[[], None]) -> None:
         # What the last scan read: a change between that read and this watch's start (its first
         # event) wakes a scan as one seen later does.
         self.own, self.served, self.on_mode, self.on_resources = own, own.resources, on_mode, on_resources
+        self.asked = own.mode_label  # the serving mode's label as last seen, where nodes choose
 
     def seen(self, kind: str, node: dict[str, Any]) -> None:
-        labels = node_plan.as_planned((node.get("metadata") or {}).get("labels"))
+        raw = (node.get("metadata") or {}).get("labels") or {}
+        labels = node_plan.as_planned(raw)
         names = extended_resources(node)
+        asked = raw.get(MODE_LABEL, "")
         if node_plan.mode(labels) != node_plan.mode(self.own.labels):
             self.own.labels = labels
             self.on_mode()
-        elif self.served is not None and names != self.served:
-            self.on_resources()
+        elif (self.served is not None and names != self.served) or (self.asked is not None and asked != self.asked):
+            self.on_resources()  # a scan: it also says that a new mode label waits for the agent's next start
         self.served = names
+        if self.asked is not None:
+            self.asked = asked

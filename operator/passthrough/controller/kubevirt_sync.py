@@ -10,7 +10,7 @@ written is only left out (status.leftOut, condition AssignedDevicesPermitted, it
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,17 @@ def advertised(node_devices: Iterable[NodeDevice]) -> list[Advertised]:
         if d.mode == "Pool" and d.resource_name and not d.deleting and d.ready is not None and d.ready.status == "True"
         and expected_name(d) == d.name
     ]
+
+
+def on_device_plugin_nodes(
+    assigned: Sequence[AssignedDevice], advertised: Sequence[Advertised], node_devices: Mapping[str, NodeDevice],
+    through_dra: Callable[[str], bool],
+) -> tuple[list[AssignedDevice], list[Advertised]]:
+    """Where nodes choose their mode: the assigned devices and pool GPUs of the nodes that serve
+    device plugins (`through_dra(node)` false). Only they need an allow-list entry and only they
+    advertise resources; a DRA node's devices are claimed, and KubeVirt takes a claim unlisted."""
+    kept = [d for d in assigned if d.name in node_devices and not through_dra(node_devices[d.name].node_name)]
+    return kept, [a for a in advertised if not through_dra(a.node)]
 
 
 def served_by_kubevirt(config: ConfigView | None, rendered: Rendered | None) -> dict[str, str]:

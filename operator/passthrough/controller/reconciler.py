@@ -396,9 +396,9 @@ class Reconciler:
         kubevirt = found[0] if found else None
         node_devices = {d.name: d for store in self.indices[NODE_DEVICES].values() for d in store}
         assigned = kubevirt_sync.assigned_devices((d for store in self.indices[DEVICES].values() for d in store), node_devices)
-        if (config.spec.get("dra") or {}).get("perNode") is True:  # only devices on device-plugin nodes need an entry
-            assigned = [d for d in assigned if not self.through_dra(node_devices[d.name].node_name)]
         advertised = kubevirt_sync.advertised(node_devices.values())
+        if (config.spec.get("dra") or {}).get("perNode") is True:
+            assigned, advertised = kubevirt_sync.on_device_plugin_nodes(assigned, advertised, node_devices, self.through_dra)
         plan = kubevirt_sync.plan_sync(config, kubevirt, assigned, advertised,
                                        self.last_good, datetime.datetime.now(datetime.UTC))
         self._sync_cost = time.perf_counter() - started
