@@ -119,9 +119,11 @@ async def own_node(api, name: str) -> dict | None:
 
 
 async def node_mode(api, args: argparse.Namespace) -> tuple[Mode, dict | None]:
-    """This node's mode and its Node as read then (None while there is none), read once: the Node's passthrough.io/mode label where nodes may choose
-    (`--per-node-mode`), `--dra` otherwise or where the label names no mode (said in the log and,
-    once the agent runs, as a Warning Event on the Node)."""
+    """This node's mode and its Node as read then (None while there is none), read once: the
+    Node's passthrough.io/mode label where nodes may choose (`--per-node-mode`), `--dra` otherwise
+    or where the label names no mode; where nodes choose, the mode it served in while that mode's
+    users hold its devices (`mode.kept`). Why the label is not followed is said in the log and,
+    once the agent runs, as a Warning Event on the Node."""
     try:
         node = await own_node(api, args.node_name)
     except ApiError as exc:
@@ -133,7 +135,9 @@ async def node_mode(api, args: argparse.Namespace) -> tuple[Mode, dict | None]:
     if mode.problem:
         log.warning("%s", mode.problem)
     serving = labels.get(SERVING_LABEL, "")
-    if serving and serving != mode.name:
+    # Only where nodes choose: there the chart renders both modes' mounts and access for every node,
+    # so the agent can stay in the mode it served in (a cluster-wide switch renders one mode's).
+    if args.per_node_mode and serving and serving != mode.name:
         switched = kept(mode, serving, await held_as(serving, args), args.node_name)
         if switched != mode:
             mode = switched
