@@ -235,6 +235,44 @@ async def test_a_node_moved_to_device_plugins_stays_in_dra_while_a_claim_holds_i
         await support.assign(api, gpu, "")
 
 
+async def test_a_node_moved_to_dra_stays_on_device_plugins_while_a_pod_holds_its_device_then_publishes_it(
+    api, kubelets, agents, namespace
+):
+    # The other way, on node `plugin`: the pod that holds the device is found in the kubelet's PodResources.
+    core = client.CoreV1Api(api)
+    kubelet, agent = kubelets["plugin"], agents["plugin"]
+    node = kubelet.node_name
+    gpu = (await support.reported(api, node, (GPU, AUDIO)))[GPU]
+    resource = exclusive_resource_name(gpu)
+    await support.assign(api, gpu, namespace)
+    try:
+        await wait_resources(core, node, {resource: "1"}, agent)
+        await support.create_pod(api, namespace, support.launcher_pod("held-by-pod", resource))
+        await created(core, namespace, kubelet, "held-by-pod", timeout=60)
+        await core.patch_node(node, {"metadata": {"labels": {MODE_LABEL: "dra"}}})
+        assert agent.stop() == 0
+        agent.start()
+        event = await support.wait_for(lambda: node_event(core, node, "ModeChangeWaiting"), 30, 0.2,
+                                       what=lambda: f"ModeChangeWaiting on {node}; agent log:\n{agent.output()[-3000:]}")  # fmt: skip
+        assert f"pod {namespace}/held-by-pod ({resource}) still holds devices it served in device-plugin mode" in event.message
+        assert await serving(core, node) == "device-plugin" and await live_slice(api, node) is None
+
+        await support.delete_pod(api, namespace, "held-by-pod")
+        assert agent.stop() == 0
+        agent.start()
+
+        async def published():
+            found = await live_slice(api, node)
+            return [d["name"] for d in ((found or {}).get("spec") or {}).get("devices") or []] == [DEVICE]
+
+        await support.wait_for(published, 30, 0.2, what=lambda: f"{node}'s slice; agent log:\n{agent.output()[-3000:]}")
+        assert await serving(core, node) == "dra"
+    finally:
+        with contextlib.suppress(client.exceptions.ApiException):
+            await support.delete_pod(api, namespace, "held-by-pod")
+        await support.assign(api, gpu, "")
+
+
 async def _said(agent, line: str) -> bool:
     return line in agent.output()
 
