@@ -176,6 +176,13 @@ async def test_each_node_serves_in_its_own_mode_and_a_vm_shaped_pod_on_each_gets
         await support.assign(api, on_plugin, "")
 
 
+async def assigned_gpu(api, node: str, namespace: str) -> tuple[str, str]:
+    """The node's GPU assigned to `namespace`: its NodePCIDevice's name and its resource."""
+    gpu = (await support.reported(api, node, (GPU, AUDIO)))[GPU]
+    await support.assign(api, gpu, namespace)
+    return gpu, exclusive_resource_name(gpu)
+
+
 async def node_event(core, node: str, reason: str):
     events = await core.list_namespaced_event("default", field_selector=f"involvedObject.name={node}")
     return next((e for e in events.items if e.reason == reason), None)
@@ -184,13 +191,11 @@ async def node_event(core, node: str, reason: str):
 async def test_a_node_moved_to_device_plugins_stays_in_dra_while_a_claim_holds_its_device_then_serves_it_as_a_resource(
     api, kubelets, agents, hosts, namespace
 ):
-    # The last of the module to use the kubelets: it leaves node `dra` in device-plugin mode.
+    # After the test of both nodes: it leaves node `dra` in device-plugin mode.
     core = client.CoreV1Api(api)
     kubelet, agent = kubelets["dra"], agents["dra"]
     node = kubelet.node_name
-    gpu = (await support.reported(api, node, (GPU, AUDIO)))[GPU]
-    resource = exclusive_resource_name(gpu)
-    await support.assign(api, gpu, namespace)
+    gpu, resource = await assigned_gpu(api, node, namespace)
     device_class = f"passthrough-{namespace}"
     await support.wait_for(lambda: _class_exists(api, device_class), 30, 0.2, what=f"DeviceClass {device_class}")
     await create_claim(api, namespace, claim("held-gpu", device_class))
@@ -238,13 +243,12 @@ async def test_a_node_moved_to_device_plugins_stays_in_dra_while_a_claim_holds_i
 async def test_a_node_moved_to_dra_stays_on_device_plugins_while_a_pod_holds_its_device_then_publishes_it(
     api, kubelets, agents, namespace
 ):
-    # The other way, on node `plugin`: the pod that holds the device is found in the kubelet's PodResources.
+    # The other way, on node `plugin` (left in DRA mode): the pod that holds the device is found in the
+    # kubelet's PodResources.
     core = client.CoreV1Api(api)
     kubelet, agent = kubelets["plugin"], agents["plugin"]
     node = kubelet.node_name
-    gpu = (await support.reported(api, node, (GPU, AUDIO)))[GPU]
-    resource = exclusive_resource_name(gpu)
-    await support.assign(api, gpu, namespace)
+    gpu, resource = await assigned_gpu(api, node, namespace)
     try:
         await wait_resources(core, node, {resource: "1"}, agent)
         await support.create_pod(api, namespace, support.launcher_pod("held-by-pod", resource))
