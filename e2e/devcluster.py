@@ -12,6 +12,12 @@ the operator, and one agent per simulated node over a fixture sysfs tree:
 The operator serves its admission webhooks on 127.0.0.1, registered from the chart's own
 ValidatingWebhookConfiguration, so a pod or VM naming another namespace's device is refused.
 
+KubeVirt's virt-api and virt-controller (`e2e.virt`, the build the tests use) run too and read
+the KubeVirt CR the operator configures: a VirtualMachine that names an assigned device gets
+virt-controller's launcher pod, which the kubelet creates with the device, and its instance
+reaches `Scheduled`. virt-handler and virt-launcher do not run (no libvirt), so it goes no
+further; the GPU node carries what virt-handler would put on it (`virt.mark_node`).
+
 Each node's tree has a simulated kernel (`e2e.fakekernel`) that reacts to the vfio-pci bind
 sequence as the real one does.
 
@@ -39,7 +45,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from e2e import build, chart, fakesysfs, kubelet
+import yaml
+
+from e2e import build, chart, fakesysfs, kubelet, virt
 from e2e.cluster import REPO, LocalCluster, _die_with_parent, prepare
 from e2e.processes import WebhookServing
 from passthrough.pci.naming import node_pci_device_name
@@ -56,6 +64,7 @@ EXPECTED_DEVICES = 7  # 2 GPUs + 2 audio functions, 2 NICs + 1 NVMe drive
 FIRST_GPU = node_pci_device_name("0000:3b:00.0", "10de", "2236", GPU_NODE)  # pci-9ace36ad...
 SECOND_GPU = node_pci_device_name("0000:af:00.0", "10de", "2236", GPU_NODE)  # pci-892226a0...
 TENANT = "team-a"
+VM = "vm1"
 
 KUBEVIRT = {
     "apiVersion": "kubevirt.io/v1",
@@ -75,6 +84,26 @@ DRA_CHART = "--set=agent.devicePlugin.dra=true"  # the chart's switch: its DRA w
 def config(dra: bool) -> dict:
     """The `cluster` PassthroughConfig as the chart renders it, `spec.dra.enabled` from the switch."""
     return {**CONFIG, "spec": {**CONFIG["spec"], "dra": {"enabled": dra}}}
+
+
+def tenant_objects(dra: bool) -> list[dict]:
+    """What the walkthrough's tenant creates: a VirtualMachine naming FIRST_GPU, by its exclusive
+    resource in `hostDevices`, or in DRA mode through a ResourceClaim of the namespace's class.
+    The README and the docs show the same objects (a test holds them to these)."""
+    meta = {"name": VM, "namespace": TENANT}
+    spec: dict = {}
+    claims: list[dict] = []
+    if dra:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "gpu"}]
+        device = {"name": "gpu0", "claimName": "gpu", "requestName": "gpu"}
+        claims = [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "gpu", "namespace": TENANT},
+                   "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": f"passthrough-{TENANT}"}}]}}}]  # fmt: skip
+    else:
+        device = {"name": "gpu0", "deviceName": f"passthrough.io/{FIRST_GPU}"}
+    spec["domain"] = {"devices": {"hostDevices": [device]}, "resources": {"requests": {"memory": "1Gi"}}}
+    vm = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": meta,
+          "spec": {"runStrategy": "Always", "template": {"spec": spec}}}  # fmt: skip
+    return [*claims, vm]
 
 
 def agent_serving_args(dra: bool, host_root: Path, node_kubelet: kubelet.KubeletNode | None, sockets: Path) -> list[str]:
@@ -127,10 +156,11 @@ def _wait_until(check, what: str, children: dict[str, subprocess.Popen], logs: P
         time.sleep(0.3)
 
 
-def hints(kubeconfig: Path, kubectl: Path, dra: bool, containers: Path | None) -> list[str]:
+def hints(kubeconfig: Path, kubectl: Path, dra: bool, containers: Path | None, tenant_file: Path | None = None) -> list[str]:
     """What `make run` prints to use the cluster from another shell: the same walkthrough in both
-    modes (the docs' first steps, with the same device), then what only one mode has. Each line
-    that starts with `  kubectl` runs as printed, once the two lines before it are run."""
+    modes (the docs' first steps, with the same device), then what only one mode has, then the
+    tenant's VirtualMachine (`tenant_file`, `tenant_objects` written out) and what it became.
+    Each line that starts with `  kubectl` runs as printed, once the two lines before it are run."""
     patch = '{"spec":{"assignedNamespace":"%s"}}' % TENANT
     steps = [
         ("kubectl get npci -o wide", "every device of both nodes, FIRST_GPU at 0000:3b:00.0 of gpu-node-1"),
@@ -146,15 +176,20 @@ def hints(kubeconfig: Path, kubectl: Path, dra: bool, containers: Path | None) -
                   ("kubectl get resourceslice -o yaml", f"the node's slice: passthrough.io/namespace={TENANT}")]  # fmt: skip
     elif containers is not None:
         steps.append((f"kubectl get node {GPU_NODE} -o jsonpath='{{.status.allocatable}}'", "the pool, and the assigned GPU"))
+    if tenant_file is not None:
+        what = f"a ResourceClaim gpu of class passthrough-{TENANT}, and {VM} naming it" if dra else f"{VM}, hostDevices: FIRST_GPU"
+        steps.append((f"kubectl apply -f {tenant_file}", what))
+        if dra:
+            steps.append((f"kubectl get resourceclaim -n {TENANT}", "gpu: allocated,reserved"))
+        reached = f"{VM} Scheduled, its launcher pod Running" if containers is not None else f"{VM} Pending: no kubelet runs here"
+        steps.append((f"kubectl get vmi,pods -n {TENANT}", reached))
     width = max(len(command) for command, _ in steps if len(command) < 60)
     lines = ["Use the cluster from another shell:", f"  export KUBECONFIG={kubeconfig}", f"  alias kubectl={kubectl}"]
     lines += [f"  {command.ljust(width)}   # {why}".replace("FIRST_GPU", FIRST_GPU[:12] + "...") if why else f"  {command}"
               for command, why in steps]  # fmt: skip
     if containers is not None:
-        way = (f"a claim of class passthrough-{TENANT} and a pod using it: the container gets CDI devices (docs/tasks/dra.md)"
-               if dra else f"a pod of {TENANT} asking for passthrough.io/{FIRST_GPU} gets its address in "
-               "PCI_RESOURCE_PASSTHROUGH_IO_<NAME> (docs/tasks/gpu-pools.md)")  # fmt: skip
-        lines += [f"  # {way}", f"  # the fake runtime's record of each container: {containers}"]
+        got = "its CDI devices" if dra else "PCI_RESOURCE_PASSTHROUGH_IO_<NAME>=0000:3b:00.0 and /dev/vfio/20"
+        lines += [f"  grep '\"container\":\"compute\"' {containers}   # the launcher's compute container as created: {got}"]
     return lines
 
 
@@ -181,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     children: dict[str, subprocess.Popen] = {}
     services: list = []  # the kube-scheduler and the GPU node's kubelet, when they run
     gpu_kubelet: kubelet.KubeletNode | None = None
+    kubevirt: virt.KubeVirtControllers | None = None
     sockets = Path(tempfile.mkdtemp(prefix="ptdev", dir="/tmp"))  # a kubelet-less node's DRA sockets
     stopping = False
 
@@ -225,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 node_kubelet = gpu_kubelet = kubelet.KubeletNode(cluster, node, labels={GPU_MODE_LABEL: "true"})
                 services.append(node_kubelet)
                 node_kubelet.start()
+                virt.mark_node(cluster, node)  # schedulable for launcher pods, as virt-handler would make it
             else:
                 labels = {GPU_MODE_LABEL: "true"} if node == GPU_NODE else {}
                 cluster.kubectl("apply", "-f", "-", input=json.dumps(
@@ -237,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
                  f"--state-dir={host.root / 'state'}"],
                 logs,
             )  # fmt: skip
+
+        # KubeVirt's controllers start while the agents find their devices.
+        kubevirt = virt.KubeVirtControllers(cluster, WORKDIR / "kubevirt")
+        kubevirt.start()
+        _say(f"KubeVirt {virt.kubevirt_version()}'s virt-api and virt-controller ready ({time.monotonic() - started:.1f}s)")
+        tenant_file = WORKDIR / f"{VM}.yaml"
+        tenant_file.write_text(yaml.safe_dump_all(tenant_objects(args.dra), sort_keys=False))
 
         def listed(kind: str) -> int:
             return len(cluster.kubectl("get", kind, "-o", "name").stdout.split())
@@ -253,14 +297,17 @@ def main(argv: list[str] | None = None) -> int:
             _say("$ kubectl get resourceslices")
             _say(cluster.kubectl("get", "resourceslices").stdout)
         containers = gpu_kubelet.containers_file if gpu_kubelet is not None else None
-        for line in hints(cluster.kubeconfig, cluster.bin_dir / "kubectl", args.dra, containers):
+        for line in hints(cluster.kubeconfig, cluster.bin_dir / "kubectl", args.dra, containers, tenant_file):
             _say(line)
-        _say(f"Logs: {logs}/   Ctrl-C stops everything.")
+        _say(f"Logs: {logs}/ (KubeVirt's: {kubevirt.workdir}/)   Ctrl-C stops everything.")
 
         while not stopping:
             for name, proc in children.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited ({proc.returncode}); see {logs / name}.log")
+            for name, proc in kubevirt.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode}); see {kubevirt.log(name)}")
             time.sleep(0.5)
         return 0
     except KeyboardInterrupt:
@@ -279,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if kubevirt is not None:
+            # Its webhooks go with the cluster, so none is taken away first: after a terminal's
+            # Ctrl-C, etcd has had the signal too and the API server may no longer answer.
+            kubevirt.webhooks.clear()
+            kubevirt.stop()
         for service in reversed(services):
             service.stop()
         cluster.stop()

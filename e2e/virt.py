@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from e2e import build, gobuild
 from e2e.cluster import _die_with_parent, free_ports
 
@@ -217,15 +219,29 @@ class KubeVirtControllers:
                 return True
         return False
 
+    def _kubeconfig_as(self, account: str) -> Path:
+        """The cluster's kubeconfig, each request made as KubeVirt's service account `account` of
+        NAMESPACE (impersonated, with the admin's rights: virt-operator's RBAC is not installed).
+        virt-api's VMI mutator keeps a status change only from KubeVirt's own service accounts:
+        as any other user, virt-controller's phase changes are reverted and a VMI stays Pending."""
+        config = yaml.safe_load(self.cluster.kubeconfig.read_text())
+        for user in config["users"]:
+            user["user"].update({"as": f"system:serviceaccount:{NAMESPACE}:{account}",
+                                 "as-groups": ["system:masters", "system:authenticated"]})  # fmt: skip
+        path = self.workdir / f"kubeconfig-{account}"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
     def start(self, timeout: float = 120) -> KubeVirtControllers:
         self._prepare()
         self._deployed()
-        common = [f"--kubeconfig={self.cluster.kubeconfig}", "--listen=127.0.0.1"]
+        common = ["--listen=127.0.0.1"]
         tls = self.serving.directory
         api_port = self.serving.port  # the port the webhook configurations are pointed at
         console_port, controller_port = free_ports(2)
         self._spawn("virt-api", [
             *_container_args(self.manifest["apiDeployments"], "virt-api"), *common, f"--port={api_port}",
+            f"--kubeconfig={self._kubeconfig_as('kubevirt-apiserver')}",
             f"--console-server-port={console_port}", f"--tls-cert-file={tls / 'tls.crt'}", f"--tls-key-file={tls / 'tls.key'}",
             f"--handler-cert-file={tls / 'tls.crt'}", f"--handler-key-file={tls / 'tls.key'}",
         ])  # fmt: skip
@@ -239,6 +255,7 @@ class KubeVirtControllers:
         self._register_webhooks({"virt-api": api_port, "kubevirt-operator-webhook": validator_port})
         self._spawn("virt-controller", [
             *_container_args(self.manifest["controllerDeployments"], "virt-controller"), *common, f"--port={controller_port}",
+            f"--kubeconfig={self._kubeconfig_as('kubevirt-controller')}",
             f"--prom-cert-file={tls / 'tls.crt'}", f"--prom-key-file={tls / 'tls.key'}",
         ])  # fmt: skip
         self._wait("virt-controller", lambda: "STARTING controllers" in self.output("virt-controller"), timeout)

@@ -1,5 +1,7 @@
-"""`make run`'s main job: the local cluster comes up, `kubectl get npci` answers, Ctrl-C stops all;
-and `make run DRA=1`: the nodes publish ResourceSlices and a claim gets the GPU."""
+"""`make run`'s main job: the local cluster comes up, `kubectl get npci` answers, the walkthrough
+it prints (and the README's and the docs', as written) takes a VirtualMachine through KubeVirt's
+virt-api and virt-controller to a launcher pod holding its device, and Ctrl-C stops all, leaving
+no process, mount or namespace; in both modes (`make run DRA=1`: the VM names a claim)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,57 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
-from e2e import devcluster, kubelet, support
+from e2e import build, devcluster, kubelet, support, virt
+from passthrough.pci.naming import exclusive_resource_name, resource_env_name
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.cluster
+NAMESPACE_KINDS = ("mnt", "net", "pid", "ipc", "uts", "cgroup")
+
+
+@pytest.fixture
+def kubevirt_programs(request):
+    """KubeVirt's virt-api and virt-controller, which `make run` starts, built (cached)."""
+    try:
+        virt.ensure_binaries()
+    except build.BuildError as exc:
+        support.cannot_run(request, "kubevirt-controllers", str(exc))
+
+
+def _namespaces(pid: int | str) -> set[str]:
+    found = set()
+    for kind in NAMESPACE_KINDS:
+        with contextlib.suppress(OSError):
+            found.add(os.readlink(f"/proc/{pid}/ns/{kind}"))
+    return found
+
+
+def _holders_since(namespaces: set[str], since: float) -> list[int]:
+    """The processes in one of `namespaces` that started before `since` (CLOCK_BOOTTIME): a
+    process started later may hold a new namespace that was given a freed one's number."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / tick
+            if started < since and _namespaces(pid) & namespaces:
+                found.append(int(pid))
+    return found
+
+
+def _mounts_under(*paths: Path) -> list[str]:
+    """This mount namespace's mounts at or below one of `paths` (where make run's simulated
+    kernel mounts its FUSE files: the test's namespace, shared with make run)."""
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    return [p for p in points if any(p == str(path) or p.startswith(f"{path}/") for path in paths)]
+
+
+def _kubelet_dir(output: str) -> Path | None:
+    """The GPU node's kubelet directory, from the path of its runtime's records make run prints."""
+    found = re.findall(r"(\S+)/containers\.jsonl", output)
+    return Path(found[0]) if found else None
 
 
 @contextlib.contextmanager
@@ -33,6 +81,8 @@ def dev_cluster(workdir: Path, *args: str) -> Iterator[str]:
     )  # fmt: skip
     lines: list[str] = []
     pids: list[int] = []
+    theirs: set[str] = set()  # the namespaces make run's processes made (the kubelet's)
+    places: list[Path] = [workdir]
     try:
         deadline = time.monotonic() + 150
         while not any("Ctrl-C stops everything" in line for line in lines):
@@ -40,14 +90,26 @@ def dev_cluster(workdir: Path, *args: str) -> Iterator[str]:
             assert line or proc.poll() is None, "".join(lines)
             lines.append(line)
             assert time.monotonic() < deadline, "".join(lines)
-        pids = [int(p) for p in subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()]
-        assert pids  # etcd, the API server, the controller-manager, the operator and the agents
-        yield "".join(lines)
+        output = "".join(lines)
+        places += [path] if (path := _kubelet_dir(output)) else []
+        pids = [int(p) for place in places
+                for p in subprocess.run(["pgrep", "-f", str(place)], capture_output=True, text=True).stdout.split()]  # fmt: skip
+        # etcd, the API server, the controller-manager, the operator, the agents, virt-api, virt-controller
+        assert pids
+        theirs = {ns for pid in pids for ns in _namespaces(pid)} - _namespaces(os.getpid())
+        # The simulated kernel's FUSE mounts, in this namespace: what must be gone after.
+        assert _mounts_under(workdir / "nodes"), "no simulated kernel mount seen while make run ran"
+        yield output
     finally:
         # Ctrl-C: the terminal sends SIGINT to the whole foreground process group.
         with contextlib.suppress(ProcessLookupError):  # it may have stopped by itself, on an error
             os.killpg(proc.pid, signal.SIGINT)
-        rest = proc.communicate(timeout=60)[0]
+        try:
+            rest = proc.communicate(timeout=90)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"make run still stopping 90s after Ctrl-C:\n{proc.communicate()[0]}")
+        stopped = time.clock_gettime(time.CLOCK_BOOTTIME)
     assert proc.returncode == 0, rest
     assert "stopped" in rest
     # Stopped in order, each process once: no ERROR, no traceback in any of our logs.
@@ -57,6 +119,10 @@ def dev_cluster(workdir: Path, *args: str) -> Iterator[str]:
             assert " ERROR " not in text and "Traceback" not in text, f"{log.name}:\n{text[-3000:]}"
     alive = [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text()]
     assert alive == [], f"left behind: {alive}"
+    assert _mounts_under(*places) == [], "mounts left behind"
+    assert _holders_since(theirs, stopped) == [], f"processes still in make run's namespaces {theirs}"
+    if _kubelet_dir(rest + "".join(lines)) is not None:
+        assert theirs, "the kubelet's private mount namespace was not seen while make run ran"
 
 
 def kubectl_of(cluster, workdir: Path) -> Callable[..., subprocess.CompletedProcess]:
@@ -73,6 +139,45 @@ def documented_commands(page: Path) -> list[str]:
     """The `kubectl` lines of a page's first code block, without their comments."""
     block = page.read_text().split("```\n", 2)[1]
     return [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("kubectl ")]
+
+
+def walkthrough(page: Path, heading: str) -> list[str]:
+    """The `kubectl` commands of the code blocks of a page's section (`heading` to the next
+    `## `), as written: a `$ ` prompt and a trailing comment taken off, a here-document kept
+    whole; output lines are not commands."""
+    text = page.read_text()
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    commands: list[str] = []
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text[start:] if end < 0 else text[start:end], re.S | re.M):
+        lines = iter(block.splitlines())
+        for line in lines:
+            line = line.removeprefix("$ ")
+            if not line.startswith("kubectl "):
+                continue
+            command = re.sub(r"\s+#\s.*$", "", line)
+            if here := re.search(r"<<'(\w+)'", command):
+                body = []
+                for more in lines:
+                    body.append(more)
+                    if more == here.group(1):
+                        break
+                command = "\n".join([command, *body])
+            commands.append(command)
+    return commands
+
+
+def applied(commands: list[str]) -> list[list[dict]]:
+    """The objects of each here-document among `commands`."""
+    return [list(yaml.safe_load_all(c.split("\n", 1)[1].rsplit("\n", 1)[0])) for c in commands if "\n" in c]
+
+
+def readme_and_page(dra: bool) -> list[str]:
+    """The walkthrough's commands in the README and on the dev cluster's page, for one mode."""
+    mode = "## In DRA mode" if dra else "## With device plugins"
+    readme = walkthrough(REPO / "README.md", "## From an assignment to a VM")
+    ours = [c for c in readme if ("ResourceClaim" in c) == dra or "\n" not in c]
+    return ours + walkthrough(REPO / "docs" / "tasks" / "dev-cluster.md", mode)
 
 
 def run_printed(output: str, retry: float = 30, only: list[str] | None = None) -> list[str]:
@@ -109,7 +214,41 @@ def common_steps(workdir: Path) -> list[str]:
     return [line.split("   #")[0].strip() for line in said if line.strip().startswith("kubectl ")]
 
 
-def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, tmp_path):
+def run_documented(output: str, printed: list[str], documented: list[str], dra: bool) -> None:
+    """The README's and the docs' walkthrough on make run's cluster, as written: what the printed
+    steps did not run already, after them; each here-document the tenant's objects make run
+    wrote (so `kubectl apply` of it changes nothing)."""
+    heredocs = applied(documented)
+    assert heredocs and all(objects == devcluster.tenant_objects(dra) for objects in heredocs), heredocs
+    run_printed(output, only=[c for c in documented if c not in printed])
+
+
+def vm_scheduled(kubectl, record_file: Path) -> dict:
+    """The walkthrough's VM as `kubectl get vmi,pods` shows it: its instance Scheduled on the GPU
+    node, virt-controller's launcher pod Running there; returns the runtime's record of the
+    launcher's compute container."""
+    ns, selector = devcluster.TENANT, f"kubevirt.io=virt-launcher,vm.kubevirt.io/name={devcluster.VM}"
+
+    def scheduled():
+        got = kubectl("get", "vmi", "-n", ns, devcluster.VM, "-o", "jsonpath={.status.phase} {.status.nodeName}")
+        return got.stdout == f"Scheduled {devcluster.GPU_NODE}"
+
+    def why() -> str:
+        return kubectl("get", "vmi,pods", "-n", ns, "-o", "yaml").stdout[-4000:]
+
+    eventually(scheduled, 90, lambda: f"VMI {devcluster.VM} Scheduled on {devcluster.GPU_NODE}: {why()}")
+    [pod] = json.loads(kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json").stdout)["items"]
+    assert pod["status"]["phase"] == "Running" and pod["spec"]["nodeName"] == devcluster.GPU_NODE, pod["status"]
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "VirtualMachineInstance"
+
+    def container():
+        records = [json.loads(line) for line in record_file.read_text().splitlines() if line.strip()]
+        return next((r for r in records if r["pod"] == pod["metadata"]["name"] and r["container"] == "compute"), None)
+
+    return eventually(container, 30, lambda: f"the compute container of {pod['metadata']['name']}")
+
+
+def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(request, cluster, kubevirt_programs, tmp_path):
     workdir = tmp_path / "devcluster"
     kubectl = kubectl_of(cluster, workdir)
     with dev_cluster(workdir) as output:
@@ -140,43 +279,37 @@ def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(cluster, t
         # says it reads: its commands run as written too.
         documented = documented_commands(REPO / "docs" / "tasks" / "assign.md")
         assert [c for c in documented if not c.startswith("kubectl get ")] == [
-            c for c in commands if not c.startswith(("kubectl get ", "kubectl describe "))], documented
+            c for c in commands[:7] if not c.startswith(("kubectl get ", "kubectl describe "))], documented
         run_printed(output, only=[c for c in documented if c not in commands])
+        # The tenant's VirtualMachine, as the README and the dev cluster's page write it.
+        assert f"kubectl apply -f {workdir / 'vm1.yaml'}" in commands, commands
+        run_documented(output, commands, readme_and_page(dra=False), dra=False)
         eventually(lambda: kubectl("get", "pci", "-n", "team-a", devcluster.FIRST_GPU).returncode == 0, 30,
                    lambda: f"PCIDevice team-a/{devcluster.FIRST_GPU}")  # fmt: skip
         # The chart's mutating webhook is registered too: the assignment carries its own time.
         dated = kubectl("get", "npci", devcluster.FIRST_GPU, "-o", "jsonpath={.metadata.annotations.passthrough\\.io/assigned-at}")
         assert dated.returncode == 0 and dated.stdout.strip(), dated.stdout + dated.stderr
-        if not kubelet.why_unavailable(cluster):
-            assert "the fake runtime's record of each container: " in output, output
+        if reason := kubelet.why_unavailable(cluster):
+            support.cannot_run(request, "real-kubelet", reason, once_key="kubelet")
+        # KubeVirt's controllers took the VM to a launcher pod whose compute container holds the GPU.
+        record_file = _kubelet_dir(output) / "containers.jsonl"
+        created = vm_scheduled(kubectl, record_file)
+        resource = exclusive_resource_name(devcluster.FIRST_GPU)
+        assert created["envs"][resource_env_name(resource)] == "0000:3b:00.0", created["envs"]
+        vfio = {d["host_path"] for d in created["devices"]}
+        assert "/dev/vfio/20" in vfio and "/dev/vfio/21" not in vfio, vfio
+        # The printed `grep` shows that record.
+        [grep] = [line.split("   #")[0].strip() for line in output.splitlines() if line.strip().startswith("grep ")]
+        shown = subprocess.run(["bash", "-c", grep], capture_output=True, text=True, timeout=30).stdout
+        assert f'"{resource_env_name(resource)}":"0000:3b:00.0"' in shown, shown
+        attached = kubectl("get", "pci", "-n", devcluster.TENANT, devcluster.FIRST_GPU, "-o",
+                           'jsonpath={.status.conditions[?(@.type=="Attached")].message}')  # fmt: skip
+        assert f"VirtualMachine {devcluster.TENANT}/{devcluster.VM}" in attached.stdout, attached.stdout
 
 
-CLAIM_AND_POD = """
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaim
-metadata: {name: gpu}
-spec:
-  devices:
-    requests:
-      - name: gpu
-        exactly: {deviceClassName: passthrough-team-a}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: vm-launcher}
-spec:
-  automountServiceAccountToken: false
-  resourceClaims:
-    - {name: gpu, resourceClaimName: gpu}
-  containers:
-    - name: compute
-      image: virt-launcher
-      env: [{name: MARK, value: vm-launcher}]
-      resources: {claims: [{name: gpu}]}
-"""
-
-
-def test_the_dev_cluster_in_dra_mode_publishes_slices_and_a_claim_gets_the_gpu(request, cluster, tmp_path):
+def test_the_dev_cluster_in_dra_mode_takes_a_vm_naming_a_claim_to_a_launcher_pod_holding_the_gpu(
+    request, cluster, kubevirt_programs, tmp_path
+):
     if reason := kubelet.why_unavailable(cluster):
         support.cannot_run(request, "real-kubelet", reason, once_key="kubelet")
     workdir = tmp_path / "devcluster"
@@ -190,36 +323,23 @@ def test_the_dev_cluster_in_dra_mode_publishes_slices_and_a_claim_gets_the_gpu(r
         # The chart's steering webhooks are registered with the rest of its mutating ones.
         hooks = kubectl("get", "mutatingwebhookconfiguration", "-o", "jsonpath={.items[*].webhooks[*].name}")
         assert "steer-resourceclaims.admission.passthrough.io" in hooks.stdout.split(), hooks.stdout + hooks.stderr
-        [record_file] = re.findall(r"record of each container: (\S+)", output)
+        record_file = _kubelet_dir(output) / "containers.jsonl"
 
-        # The walkthrough it printed, as printed: the same first steps as without DRA.
-        assert run_printed(output)[:7] == common_steps(workdir)
+        # The walkthrough it printed, as printed: the same first steps as without DRA, then the
+        # tenant's claim and VM; the README's and the docs' the same way.
+        commands = run_printed(output)
+        assert commands[:7] == common_steps(workdir)
+        assert f"kubectl apply -f {workdir / 'vm1.yaml'}" in commands, commands
+        run_documented(output, commands, readme_and_page(dra=True), dra=True)
         gpu = devcluster.FIRST_GPU
         address = kubectl("get", "npci", gpu, "-o", "jsonpath={.status.attributes.pciAddress}").stdout
         assert address == "0000:3b:00.0"
         device = "pci-" + address.replace(":", "-").replace(".", "-")
 
-        def team_a_device():
-            got = kubectl("get", "resourceslice", "gpu-node-1-pci.passthrough.io", "-o", "json")
-            devices = json.loads(got.stdout or "{}").get("spec", {}).get("devices") or []
-            return {d["name"] for d in devices if d["attributes"]["passthrough.io/namespace"]["string"] == "team-a"}
-
-        assert eventually(team_a_device, 30, lambda: "the slice to list the GPU for team-a") == {device}
-        eventually(lambda: kubectl("get", "deviceclass", "passthrough-team-a").returncode == 0, 30,
-                   lambda: "DeviceClass passthrough-team-a")  # fmt: skip
-        applied = kubectl("apply", "-n", "team-a", "-f", "-", stdin=CLAIM_AND_POD)
-        assert applied.returncode == 0, applied.stderr
-
-        def allocated():
-            got = kubectl("get", "resourceclaim", "-n", "team-a", "gpu", "-o", "jsonpath={.status.allocation.devices.results}")
-            return json.loads(got.stdout) if got.stdout else None
-
-        [result] = eventually(allocated, 60, lambda: kubectl("describe", "pod", "-n", "team-a", "vm-launcher").stdout)
-        assert (result["driver"], result["pool"], result["device"]) == ("pci.passthrough.io", "gpu-node-1", device)
-
-        def container():
-            records = [json.loads(line) for line in Path(record_file).read_text().splitlines() if line.strip()]
-            return next((r for r in records if r.get("envs", {}).get("MARK") == "vm-launcher"), None)
-
-        created = eventually(container, 60, lambda: kubectl("describe", "pod", "-n", "team-a", "vm-launcher").stdout)
+        # virt-controller's launcher pod carries the claim; the scheduler allocated it team-a's GPU.
+        created = vm_scheduled(kubectl, record_file)
+        claim = json.loads(kubectl("get", "resourceclaim", "-n", devcluster.TENANT, "gpu", "-o", "json").stdout)
+        [result] = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"], result["device"]) == ("pci.passthrough.io", devcluster.GPU_NODE, device)
+        assert [r["name"] for r in claim["status"]["reservedFor"]] == [created["pod"]], claim["status"]
         assert any(name.startswith("passthrough.io/vfio=") and name.endswith(device) for name in created["cdi_devices"]), created
