@@ -405,7 +405,7 @@ def test_a_config_that_names_no_variant_gets_the_default_one_from_the_api_server
         "kubevirt": {"name": "kubevirt", "namespace": "kubevirt"},
         "gpu": {"variant": "default", "replaceDefaults": False, "permittedHostDevices": {}},
         "discovery": {"sriovVirtualFunctions": False},
-        "dra": {"enabled": False},
+        "dra": {"enabled": False, "perNode": False},
         # No `devices`: without one, the operator's --not-found-grace applies.
     }
 
