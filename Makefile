@@ -35,7 +35,8 @@ controlplane: venv
 	$(PY) -m e2e.build
 	$(PY) -m e2e.virt
 
-## The main job: local control plane, CRDs, operator and simulated nodes. Ctrl-C stops all.
+## The main job: local control plane, CRDs, operator, KubeVirt's virt-api and virt-controller
+## and simulated nodes; a VirtualMachine naming a device gets its launcher pod. Ctrl-C stops all.
 ## `make run DRA=1`: in DRA mode (the agents publish ResourceSlices, pods take devices through claims).
 ## `make run REALNODE=1`: a real node instead (containerd, runc, CNI, kube-proxy) with the chart helm-installed on it.
 run: controlplane

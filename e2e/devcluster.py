@@ -181,7 +181,7 @@ def hints(kubeconfig: Path, kubectl: Path, dra: bool, containers: Path | None, t
         steps.append((f"kubectl apply -f {tenant_file}", what))
         if dra:
             steps.append((f"kubectl get resourceclaim -n {TENANT}", "gpu: allocated,reserved"))
-        reached = f"{VM} Scheduled, its launcher pod Running" if containers is not None else f"{VM} Pending: no kubelet runs here"
+        reached = f"{VM} Scheduled, its launcher pod Running" if containers is not None else f"{VM} Scheduling: no kubelet here runs its launcher pod"
         steps.append((f"kubectl get vmi,pods -n {TENANT}", reached))
     width = max(len(command) for command, _ in steps if len(command) < 60)
     lines = ["Use the cluster from another shell:", f"  export KUBECONFIG={kubeconfig}", f"  alias kubectl={kubectl}"]
