@@ -2,8 +2,8 @@
 
     .venv/bin/python e2e/bench/bench_realnode_ha.py [--runs 2]
 
-The chart as a user installs it (`helm install`, two operator replicas) on the real node
-(e2e/realnode). Four clients of the API server create launcher-shaped pods and VMs that name a
+The chart as a user installs it (`helm install`, two operator replicas) on two real nodes
+(e2e/realnode: the second joined to the first's cluster before the install). Four clients of the API server create launcher-shaped pods and VMs that name a
 device their namespace does not hold, each on its own kept-alive connection, one every 50 ms:
 the API server must call the webhook through the Service for each, and an answer is its denial.
 Everything else the clients get is counted as refused (`failed calling webhook`, a timeout).
@@ -16,11 +16,12 @@ Each disruption is counted from its start until the replicas are both Ready agai
   runtime or an admin does it;
 - `kubectl rollout restart` of the operator's Deployment;
 - a serving-certificate renewal (a new pair in the Secret, the kubelet swapping the files), with
-  a connect and TLS handshake every 10 ms to the Service and to each replica.
+  a connect and TLS handshake every 10 ms to the Service and to each replica;
+- `kubectl drain` of the leader's node, with the same probe to the Service, counted until both
+  replicas are ready on the other node and 3 s more; then the node is uncordoned (so the next
+  drain's node holds both replicas, which the PDB lets go one at a time).
 
-A drain needs a second node to move a replica to; this node is one, so it is not measured
-here (tests/integration/test_ha.py covers what a drain does to a replica: SIGTERM). Nothing is
-asserted; tests/integration/test_real_node_ha.py asserts the zeros.
+Nothing is asserted; tests/integration/test_real_node_ha.py asserts the zeros.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ REFUSED = "calls refused: on its connections, dialed to its address"
 # Each figure as the page labels it, with its goal (None: none set).
 GOALS: dict[str, str | None] = {
     "node Ready (the image built first where stale), then the chart rolled out": None,
+    "second node joined and Ready": None,
     f"SIGKILL of the leader's process: {REFUSED}": "only those (the protocol's)",
     "SIGKILL of the leader's process: latency p50 / p99 / max": None,
     f"runtime kill of the leader's container: {REFUSED}": "only those (the protocol's)",
@@ -57,6 +59,10 @@ GOALS: dict[str, str | None] = {
     "certificate renewal: connects refused or failed (Service, each replica)": "0",
     "certificate renewal: calls refused": "0",
     "certificate renewal: files changed to every replica serving the new pair": None,
+    "drain of the leader's node: calls refused": "0",
+    "drain of the leader's node: connects to the Service refused or failed": "0",
+    "drain of the leader's node: latency p50 / p99 / max": None,
+    "drain of the leader's node: drain begun to both replicas ready on the other node": None,
 }
 
 
@@ -141,17 +147,21 @@ def kill(node: RealNode, load: availability.Load, endpoints: Endpoints, how) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=2, help="kills of each kind (default 2)")
+    parser.add_argument("--runs", type=int, default=2, help="kills of each kind, and drains (default 2)")
     args = parser.parse_args()
     measured: dict[str, object] = {}
     node = RealNode(project_image=True)
+    worker: RealNode | None = None
     probe: availability.Probe | None = None
     folder = Path(tempfile.mkdtemp(prefix="bench-realnode-ha-"))
     started = time.monotonic()
     node.start()
     try:
+        worker = RealNode(joins=node).start()
+        measured["second node joined and Ready"] = f"{worker.info['start_seconds']:.0f} s"
+        rolled = time.monotonic()
         install.set_up(node, folder, image.name(), VALUES)
-        measured["node Ready (the image built first where stale), then the chart rolled out"] = f"{node.info['start_seconds']:.0f} s, then {time.monotonic() - started - node.info['start_seconds']:.0f} s"
+        measured["node Ready (the image built first where stale), then the chart rolled out"] = f"{node.info['start_seconds']:.0f} s, then {time.monotonic() - rolled:.0f} s"
         load = availability.Load(node).start().until_answered()
         endpoints = Endpoints(node)
 
@@ -197,16 +207,34 @@ def main() -> int:
         measured["certificate renewal: calls refused"] = f"{len(Outcomes.refused(calls))} of {len(calls)}"
         measured["certificate renewal: files changed to every replica serving the new pair"] = (
             f"{took:.0f} s (the kubelet's sync, the replicas' 2 s look)")
+
+        refusals, connects, every, times = [], [], [], []
+        for run in range(args.runs):
+            drain = availability.drain_the_leaders_node(node, load, folder)
+            held = f"{len(drain.moved)} replica{'s' if len(drain.moved) > 1 else ''} on it"
+            refusals.append(f"{len(Outcomes.refused(drain.calls))} of {len(drain.calls)} ({held})")
+            connects.append(f"{drain.service['refused'] + drain.service['failed']} of {drain.service['connects']}")
+            every += drain.calls
+            times.append(f"{drain.seconds:.0f} s")
+            print(f"drain, run {run + 1}: {refusals[-1]} refused; connects refused or failed {connects[-1]}; {times[-1]}", flush=True)
+            for call in Outcomes.refused(drain.calls):
+                print(f"  {call.outcome}: {call.detail[:80]} ... {call.detail[-120:]}", flush=True)
+        measured["drain of the leader's node: calls refused"] = "; ".join(refusals)
+        measured["drain of the leader's node: connects to the Service refused or failed"] = "; ".join(connects)
+        measured["drain of the leader's node: latency p50 / p99 / max"] = _latency(every)
+        measured["drain of the leader's node: drain begun to both replicas ready on the other node"] = ", ".join(times)
         load.stop()
         endpoints.stop()
     finally:
         if probe is not None:
             probe.stop()  # it runs in the node's network namespace, not in its PID namespace
+        if worker is not None:
+            worker.stop()
         node.stop()
         shutil.rmtree(folder, ignore_errors=True)
     print()
-    print(page_table(measured, note=f"The chart on the real node, two replicas, four clients each calling every 50 ms; "
-                                    f"{args.runs} kills of each kind."))  # fmt: skip
+    print(page_table(measured, note=f"The chart on two real nodes, two replicas, four clients each calling every 50 ms; "
+                                    f"{args.runs} kills of each kind and {args.runs} drains."))  # fmt: skip
     return 0
 
 

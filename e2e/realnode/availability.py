@@ -224,6 +224,9 @@ class Probe:
         pid = self.node._supervisor_pid()
         if pid is None:
             raise RealNodeError("the node is not running")
+        # A probe before this one in the same folder left its stop mark and its counts.
+        self.stop_file.unlink(missing_ok=True)
+        self.out.unlink(missing_ok=True)
         self._proc = subprocess.Popen(
             ["nsenter", f"--net=/proc/{pid}/ns/net", "--", sys.executable, "-c", PROBE, json.dumps(self.targets), str(self.stop_file),
              str(self.out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -339,13 +342,55 @@ def sigkill(pod: dict) -> None:
 
 
 def runtime_kill(node: RealNode, pod: dict) -> None:
-    """As a node's runtime does it (`ctr task kill -s SIGKILL`): containerd kills the container's task."""
+    """As a node's runtime does it (`ctr task kill -s SIGKILL`): the containerd of the pod's node kills the container's task."""
+    holder = node.named(pod["spec"]["nodeName"])
     result = subprocess.run(
-        [str(nodebuild.ensure_binaries() / "ctr"), f"--address={config.containerd_socket(node.workdir)}", "--namespace=k8s.io",
+        [str(nodebuild.ensure_binaries() / "ctr"), f"--address={config.containerd_socket(holder.workdir)}", "--namespace=k8s.io",
          "task", "kill", "--signal", "SIGKILL", container_id(pod)], capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     if result.returncode != 0:
         raise RealNodeError(f"ctr task kill: {result.stderr.strip()}")
+
+
+@dataclass
+class Drain:
+    node: str  # the drained node's name
+    moved: set[str]  # the replicas it held
+    calls: list[Call]  # the load's, from the drain's start until both replicas were ready elsewhere, and 3 s more
+    service: dict  # the connect probe's counts for the Service
+    seconds: float  # from the drain's start until both replicas were ready elsewhere
+
+
+def drain_the_leaders_node(node: RealNode, load: Load, folder: Path) -> Drain:
+    """`kubectl drain` of the leader's node as an admin runs it, under a connect probe to the
+    Service: cordoned, each pod evicted through the Eviction API (the PDB answers 429 while an
+    eviction would leave no replica; kubectl asks again every 5 s), DaemonSet pods left, until
+    every evicted pod is gone and both replicas are ready on the other node; then uncordoned."""
+    name = leader(node)["spec"]["nodeName"]
+    moved = {p["metadata"]["name"] for p in operator_pods(node) if p["spec"]["nodeName"] == name}
+    service = targets(node)[0]
+    probe = Probe(node, [service], folder).start()
+    try:
+        time.sleep(2)
+        begun = time.monotonic()
+        node.kubectl("drain", name, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s", timeout=330)
+        install.wait_for(lambda: drained(node, name, moved), 180, f"the operator moved off {name}")
+        seconds = time.monotonic() - begun
+        time.sleep(3)
+        calls = load.outcomes.between(begun, time.monotonic())
+    finally:
+        counts = probe.stop()
+        node.kubectl("uncordon", name)
+    return Drain(name, moved, calls, counts[service], seconds)
+
+
+def drained(node: RealNode, name: str, before: set[str]) -> bool:
+    """Whether the drain has moved the operator: every replica of `before` gone (terminating ones
+    too), two others ready elsewhere, both the Service's ready endpoints."""
+    names = {p["metadata"]["name"] for p in install.pods(node)}
+    running = operator_pods(node)
+    return (not names & before and len(running) == 2 and all(p["spec"]["nodeName"] != name for p in running)
+            and all(s["ready"] for p in running for s in p["status"]["containerStatuses"]) and ready_endpoints(node) == 2)  # fmt: skip
 
 
 def renew_certificate(node: RealNode) -> str:

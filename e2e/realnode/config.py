@@ -14,6 +14,12 @@ KUBELET_HEALTHZ_PORT = 10248
 KUBE_PROXY_HEALTHZ_PORT = 10256
 KUBE_PROXY_METRICS_PORT = 10249
 PAUSE_IMAGE = "localhost/passthrough-e2e/pause:1"
+# A second node joined to the first (`RealNode(joins=first)`): a network namespace of its own, its
+# `NODE_LINK` one end of a veth pair whose other end, `WORKER_LINK`, is a port of the first node's
+# bridge; its pods get a range of their own, routed through it.
+WORKER_IP = "10.99.0.2"
+WORKER_POD_CIDR = "10.87.0.0/16"
+WORKER_LINK = "veth-worker"  # in the first node's namespace
 
 # What the control plane's own controller-manager does not run and a cluster of pods needs.
 WORKLOAD_CONTROLLERS = (
@@ -88,7 +94,7 @@ disabled_plugins = [
 """
 
 
-def cni_conflist(ip_masq: bool = False) -> dict:
+def cni_conflist(ip_masq: bool = False, pod_cidr: str = POD_CIDR) -> dict:
     """`ip_masq`: where the node has a way out (the QEMU guest's user network), pods' packets to
     it leave with the node's address."""
     return {
@@ -104,7 +110,7 @@ def cni_conflist(ip_masq: bool = False) -> dict:
                 "hairpinMode": True,
                 "ipam": {
                     "type": "host-local",
-                    "ranges": [[{"subnet": POD_CIDR}]],
+                    "ranges": [[{"subnet": pod_cidr}]],
                     "routes": [{"dst": "0.0.0.0/0"}],
                 },
             },
@@ -113,13 +119,14 @@ def cni_conflist(ip_masq: bool = False) -> dict:
     }
 
 
-def kube_proxy_config(kubeconfig: Path, node_name: str, node_ip: str = NODE_IP) -> dict:
+def kube_proxy_config(kubeconfig: Path, node_name: str, node_ip: str = NODE_IP, cluster_cidr: str = POD_CIDR) -> dict:
+    """`cluster_cidr`: the node's own pods' range (traffic from it to a Service is not masqueraded)."""
     return {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
         "clientConnection": {"kubeconfig": str(kubeconfig)},
         "mode": "iptables",
-        "clusterCIDR": POD_CIDR,
+        "clusterCIDR": cluster_cidr,
         "hostnameOverride": node_name,
         "bindAddress": node_ip,
         "healthzBindAddress": f"127.0.0.1:{KUBE_PROXY_HEALTHZ_PORT}",

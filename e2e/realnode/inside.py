@@ -26,6 +26,11 @@ In here it gives the node what a host would, from nothing of the host's:
 - from outside: the listening socket `RealNode` made in the caller's network namespace
   (inherited as a file descriptor) forwards to the API server too.
 
+A second node (`--joins=<the first node's workdir>`) makes the same mounts and runs only
+containerd, the kubelet and kube-proxy: its network is the veth end the caller moves in
+(`join_network`), its kubelet and kube-proxy reach the API server through the first node's
+forwarder, its pods use the first node's cluster DNS.
+
 When all is ready it writes `ready.json` in the workdir; on failure `failed.txt` with the reason.
 SIGTERM stops the node (kubelet, kube-proxy, containerd, control plane) and exits.
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -82,7 +88,7 @@ def _sh(*args: str) -> None:
 # -- the namespace's mounts and network --------------------------------------------------------
 
 
-def make_mounts(workdir: Path, node_name: str) -> None:
+def make_mounts(workdir: Path, node_name: str, node_ip: str = config.NODE_IP) -> None:
     var = workdir / "var"
     for sub in ("lib/kubelet/device-plugins", "lib/kubelet/pod-resources", "lib/containerd", "lib/cni", "log/pods", "log/containers", "tmp"):
         (var / sub).mkdir(parents=True, exist_ok=True)
@@ -107,7 +113,7 @@ def make_mounts(workdir: Path, node_name: str) -> None:
     # server dials the kubelet by it) in /etc/hosts, and the node's cluster DNS for the rest.
     etc = workdir / "etc"
     etc.mkdir(exist_ok=True)
-    (etc / "hosts").write_text(f"127.0.0.1 localhost\n{config.NODE_IP} {node_name}\n")
+    (etc / "hosts").write_text(f"127.0.0.1 localhost\n{node_ip} {node_name}\n")
     (etc / "resolv.conf").write_text(f"nameserver {config.NODE_IP}\n")
     for name in ("hosts", "resolv.conf"):
         _sh("mount", "--bind", "-o", "ro", str(etc / name), f"/etc/{name}")
@@ -125,8 +131,30 @@ def make_network() -> None:
     _sh("ip", "addr", "add", f"{config.NODE_IP}/24", "dev", config.NODE_LINK)
     _sh("ip", "link", "set", config.NODE_LINK, "up")
     _sh("ip", "route", "add", "default", "dev", config.NODE_LINK)
-    # Replies between two pods of the bridge pass iptables, so a Service's DNAT is undone.
+    _namespace_sysctls()
+
+
+def _namespace_sysctls() -> None:
+    """This network namespace's own settings (the host's are untouched): replies between two
+    pods of the bridge pass iptables, so a Service's DNAT is undone; and it routes, for a joined
+    node's pods as for its own (the CNI bridge sets it too, at the first pod)."""
     Path("/proc/sys/net/bridge/bridge-nf-call-iptables").write_text("1\n")
+    Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+
+
+def join_network(node_ip: str, deadline: float) -> None:
+    """A joined node's network: `NODE_LINK` is its end of the veth pair the caller makes into the
+    first node's bridge; the first node's address is its gateway (the API server's forwarder, the
+    cluster DNS, the first node's pods)."""
+    _sh("ip", "link", "set", "lo", "up")
+    while subprocess.run(["ip", "link", "show", config.NODE_LINK], capture_output=True).returncode != 0:
+        if time.monotonic() > deadline:
+            raise NodeError(f"no link {config.NODE_LINK} to the first node was given in time")
+        time.sleep(0.1)
+    _sh("ip", "addr", "add", f"{node_ip}/24", "dev", config.NODE_LINK)
+    _sh("ip", "link", "set", config.NODE_LINK, "up")
+    _sh("ip", "route", "add", "default", "via", config.NODE_IP, "dev", config.NODE_LINK)
+    _namespace_sysctls()
 
 
 # -- forwarding to the API server ---------------------------------------------------------------
@@ -179,9 +207,14 @@ class Node:
         self.cgroup_root: str = args.cgroup_root
         self.runc: str = args.runc
         self.images: list[Path] = args.image
-        self.listen_fd: int = args.listen_fd
+        self.listen_fd: int | None = args.listen_fd
+        # A joined node: the first node's workdir (its ready.json and CA), this node's address and pods' range.
+        self.joins: Path | None = args.joins
+        self.node_ip: str = args.node_ip
+        self.pod_cidr: str = args.pod_cidr
         self.logs = self.workdir / "logs"
         self.cluster: clusters.LocalCluster | None = None
+        self.kubeconfig: Path = self.workdir / "node-kubeconfig"
         self.children: list[_Child] = []
         self.scheduler: Scheduler | None = None
         self.bin = nodebuild.ensure_binaries()
@@ -189,6 +222,8 @@ class Node:
     # -- start -----------------------------------------------------------------------------
 
     def start(self) -> dict:
+        if self.joins is not None:
+            return self._join()
         started = time.monotonic()
         make_mounts(self.workdir, self.name)
         make_network()
@@ -199,8 +234,10 @@ class Node:
         cluster.workdir.mkdir(parents=True, exist_ok=True)
         # KubeVirt's CRDs, as on a cluster with KubeVirt; the chart brings its own.
         cluster.start(before_controllers=lambda c: clusters.install_crds(c, [kubevirt_crds(c)]))
+        self.kubeconfig = cluster.kubeconfig
         apiserver_port = int(cluster.server.rsplit(":", 1)[1])
         forwarder = Forwarder(apiserver_port)
+        assert self.listen_fd is not None
         forwarder.serve(socket.socket(fileno=self.listen_fd))
         inside = socket.create_server((config.NODE_IP, config.APISERVER_PORT))
         forwarder.serve(inside)
@@ -224,6 +261,29 @@ class Node:
             "seconds": round(time.monotonic() - started, 1),
             "pid": os.getpid(),
         }
+
+    def _join(self) -> dict:
+        """A second node: no control plane of its own; its kubelet and kube-proxy reach the first
+        node's API server through the forwarder on the first node's address."""
+        assert self.joins is not None
+        started = time.monotonic()
+        make_mounts(self.workdir, self.name, self.node_ip)
+        join_network(self.node_ip, time.monotonic() + 60)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        first = json.loads((self.joins / "ready.json").read_text())
+        ca = (self.joins / "cluster" / "pki" / "ca.crt").read_bytes()
+        self.kubeconfig.write_text(yaml.safe_dump(joined_kubeconfig(first["token"], ca), sort_keys=False))
+        self.kubeconfig.chmod(0o600)
+        self._containerd()
+        self._import_images()
+        self._kubelet()
+        self._kube_proxy()
+        self._wait_node_ready(time.monotonic() + 120)
+        return {"node": self.name, "node_ip": self.node_ip, "seconds": round(time.monotonic() - started, 1), "pid": os.getpid()}
+
+    def _kubectl(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(controlplane.ensure_binaries() / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
 
     def _cluster_ip(self, namespace: str, service: str) -> str | None:
         """A Service's ClusterIP (None for none, a headless one, or an unanswered API call)."""
@@ -293,7 +353,7 @@ class Node:
         conf = self.workdir / "containerd.toml"
         cni_dir = self.workdir / "cni"
         cni_dir.mkdir(exist_ok=True)
-        (cni_dir / "10-node.conflist").write_text(json.dumps(config.cni_conflist(), indent=2))
+        (cni_dir / "10-node.conflist").write_text(json.dumps(config.cni_conflist(pod_cidr=self.pod_cidr), indent=2))
         conf.write_text(config.containerd_toml(self.workdir, self.bin, self.runc, cni_dir, not _may_lower_oom_score()))
         child = self._spawn(
             "containerd",
@@ -332,41 +392,38 @@ class Node:
                 raise NodeError(f"ctr images import {archive}: {result.stderr.strip()}")
 
     def _kube_proxy(self) -> None:
-        assert self.cluster is not None
         conf = self.workdir / "kube-proxy.yaml"
-        conf.write_text(yaml.safe_dump(config.kube_proxy_config(self.cluster.kubeconfig, self.name), sort_keys=False))
+        proxy = config.kube_proxy_config(self.kubeconfig, self.name, node_ip=self.node_ip, cluster_cidr=self.pod_cidr)
+        conf.write_text(yaml.safe_dump(proxy, sort_keys=False))
         child = self._spawn("kube-proxy", [str(self.bin / "kube-proxy"), f"--config={conf}", "--v=1"], env=self._env())
         _wait_http(child, f"http://127.0.0.1:{config.KUBE_PROXY_HEALTHZ_PORT}/healthz", time.monotonic() + 60, ok=None)
 
     def _kubelet(self) -> None:
-        assert self.cluster is not None
         conf = self.workdir / "kubelet.yaml"
-        conf.write_text(yaml.safe_dump(config.kubelet_config(self.workdir, self.cgroup_root), sort_keys=False))
+        conf.write_text(yaml.safe_dump(config.kubelet_config(self.workdir, self.cgroup_root, node_ip=self.node_ip), sort_keys=False))
         (self.workdir / "kubelet-pki").mkdir(exist_ok=True)
         (self.workdir / "kubelet-cwd").mkdir(exist_ok=True)
         self._spawn(
             "kubelet",
             [
-                self.cluster.binary("kubelet"),
+                str(controlplane.ensure_binaries() / "kubelet"),
                 f"--config={conf}",
-                f"--kubeconfig={self.cluster.kubeconfig}",
+                f"--kubeconfig={self.kubeconfig}",
                 "--root-dir=/var/lib/kubelet",
                 f"--cert-dir={self.workdir / 'kubelet-pki'}",
                 f"--hostname-override={self.name}",
-                f"--node-ip={config.NODE_IP}",
+                f"--node-ip={self.node_ip}",
                 "--v=2",
             ],
             env=self._env(),
         )
 
     def _wait_node_ready(self, deadline: float) -> None:
-        assert self.cluster is not None
-        api = self.cluster
         while True:
             for child in self.children:
                 if not child.alive():
                     raise NodeError(f"{child.name} exited; log {child.log}:\n{child.tail()}")
-            found = api.kubectl("get", "node", self.name, "-o", "json", check=False)
+            found = self._kubectl("get", "node", self.name, "-o", "json")
             if found.returncode == 0:
                 node = json.loads(found.stdout)
                 ready = _condition(node, "Ready")
@@ -388,6 +445,23 @@ class Node:
             self.scheduler.stop()
         if self.cluster is not None:
             self.cluster.stop(timeout=5)
+
+
+def joined_kubeconfig(token: str, ca: bytes) -> dict:
+    """A joined node's kubeconfig: the API server through the first node's forwarder, its
+    certificate checked for a name it holds (it names loopback, not the first node's address)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "realnode", "cluster": {
+            "server": f"https://{config.NODE_IP}:{config.APISERVER_PORT}",
+            "tls-server-name": "localhost",
+            "certificate-authority-data": base64.b64encode(ca).decode(),
+        }}],  # fmt: skip
+        "users": [{"name": "admin", "user": {"token": token}}],
+        "contexts": [{"name": "realnode", "context": {"cluster": "realnode", "user": "admin"}}],
+        "current-context": "realnode",
+    }
 
 
 def _may_lower_oom_score() -> bool:
@@ -426,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-name", required=True)
     parser.add_argument("--cgroup-root", required=True)
     parser.add_argument("--runc", required=True)
-    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, help="the first node's: the socket forwarded to the API server")
+    parser.add_argument("--joins", type=Path, help="a second node's: the first node's workdir")
+    parser.add_argument("--node-ip", default=config.NODE_IP)
+    parser.add_argument("--pod-cidr", default=config.POD_CIDR)
     parser.add_argument("--image", type=Path, action="append", default=[])
     args = parser.parse_args(argv)
     stopping = threading.Event()

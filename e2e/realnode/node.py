@@ -93,11 +93,20 @@ def _die_with_parent() -> None:
 
 
 class RealNode:
-    """Start with `start()` (or `with RealNode() as node:`); `kubectl`, `helm`, `kubeconfig` from outside."""
+    """Start with `start()` (or `with RealNode() as node:`); `kubectl`, `helm`, `kubeconfig` from outside.
 
-    def __init__(self, name: str | None = None, project_image: bool = False, timeout: float = 300) -> None:
+    `RealNode(joins=first)` is a second node of the first one's cluster (one at most): network,
+    mount and PID namespaces of its own, its containerd, kubelet and kube-proxy, the first node's
+    images; a veth pair joins its network to the first node's bridge, each node routing the
+    other's pods. Stop it before the first.
+    """
+
+    def __init__(self, name: str | None = None, project_image: bool = False, timeout: float = 300,
+                 joins: RealNode | None = None) -> None:  # fmt: skip
         self.name = name or f"node-{uuid.uuid4().hex[:6]}"
         self.project_image = project_image
+        self.joins = joins
+        self.joined: RealNode | None = None  # the second node, once it has joined this one
         self.timeout = timeout
         self.workdir = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp")).resolve()
         self.cgroup_root = f"/{CGROUP_PREFIX}{uuid.uuid4().hex[:8]}"
@@ -134,6 +143,8 @@ class RealNode:
     def _start(self) -> None:
         if reason := why_unavailable():
             raise RealNodeError(reason)
+        if self.joins is not None and self.joins.joined is not None:
+            raise RealNodeError(f"node {self.joins.name} has a second node already ({self.joins.joined.name}); stop it first")
         started = time.monotonic()
         ensure_tools()
         controlplane.ensure_binaries()
@@ -141,18 +152,23 @@ class RealNode:
         from e2e import oci
 
         runc = oci.ensure_runc()
-        archives = [images.pause_archive(node_bin / "pause", self.workdir / "images" / "pause.tar")]
-        if self.project_image:
-            archives.append(images.project_archive(self.workdir / "images" / "project.tar"))
+        if self.joins is not None:
+            # The first node's archives, as a cluster's nodes pull the same images.
+            archives = sorted((self.joins.workdir / "images").glob("*.tar"))
+            role = [f"--joins={self.joins.workdir}", f"--node-ip={config.WORKER_IP}", f"--pod-cidr={config.WORKER_POD_CIDR}"]
+        else:
+            archives = [images.pause_archive(node_bin / "pause", self.workdir / "images" / "pause.tar")]
+            if self.project_image:
+                archives.append(images.project_archive(self.workdir / "images" / "project.tar"))
+            self._listener = socket.create_server(("127.0.0.1", 0))
+            role = [f"--listen-fd={self._listener.fileno()}"]
         self._make_cgroups()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        port = self._listener.getsockname()[1]
         args = [
             "unshare", "--net", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
             "--kill-child=SIGKILL", "--",
             sys.executable, "-m", "e2e.realnode.inside",
             f"--workdir={self.workdir}", f"--node-name={self.name}", f"--cgroup-root={self.cgroup_root}",
-            f"--runc={runc}", f"--listen-fd={self._listener.fileno()}",
+            f"--runc={runc}", *role,
             *[f"--image={archive}" for archive in archives],
         ]  # fmt: skip
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -163,7 +179,7 @@ class RealNode:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                pass_fds=[self._listener.fileno()],
+                pass_fds=[self._listener.fileno()] if self._listener is not None else [],
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
                 env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -180,10 +196,21 @@ class RealNode:
                 raise RealNodeError(f"the real node was not ready in {self.timeout:.0f}s; logs in {self.logs}")
             if self.netns is None:
                 self.netns = self._supervisor_netns()
+                if self.netns is not None and self.joins is not None:
+                    self._link_to(self.joins)
             time.sleep(0.2)
         self.netns = self.netns or self._supervisor_netns()
         self.info = json.loads(ready.read_text())
-        self.server = f"https://127.0.0.1:{port}"
+        if self.joins is not None:
+            self.server, self.info["token"] = self.joins.server, self.joins.info["token"]
+            shutil.copyfile(self.joins.kubeconfig, self.kubeconfig)
+            self.kubeconfig.chmod(0o600)
+            self.info["start_seconds"] = round(time.monotonic() - started, 1)
+            self.joins.joined = self
+            _log(f"node {self.name} joined and Ready in {self.info['start_seconds']}s (inside {self.info['seconds']}s)")
+            return
+        assert self._listener is not None
+        self.server = f"https://127.0.0.1:{self._listener.getsockname()[1]}"
         ca = base64.b64encode((self.workdir / "cluster" / "pki" / "ca.crt").read_bytes()).decode()
         kubeconfig = {
             "apiVersion": "v1",
@@ -197,6 +224,23 @@ class RealNode:
         self.kubeconfig.chmod(0o600)
         self.info["start_seconds"] = round(time.monotonic() - started, 1)
         _log(f"node {self.name} Ready in {self.info['start_seconds']}s (inside {self.info['seconds']}s); KUBECONFIG={self.kubeconfig}")
+
+    def _link_to(self, first: RealNode) -> None:
+        """The veth pair between the first node's bridge and this node's network (made in the
+        first node's namespace, its peer moved straight into this one: never on the host), each
+        node's route to the other's pods, and this node's name in the first node's /etc/hosts
+        (where the API server, dialing a kubelet by its node's name, looks it up)."""
+        pid = self._supervisor_pid()
+        for command in (
+            ["ip", "link", "add", config.WORKER_LINK, "type", "veth", "peer", "name", config.NODE_LINK, "netns", str(pid)],
+            ["ip", "link", "set", config.WORKER_LINK, "master", config.NODE_LINK, "up"],
+            ["ip", "route", "add", config.WORKER_POD_CIDR, "via", config.WORKER_IP, "dev", config.NODE_LINK],
+        ):
+            result = first.in_node(*command)
+            if result.returncode != 0:
+                raise RealNodeError(f"{' '.join(command)} in node {first.name}'s network: {result.stderr.strip()}")
+        with (first.workdir / "etc" / "hosts").open("a") as hosts:  # the file itself: it is bind-mounted
+            hosts.write(f"{config.WORKER_IP} {self.name}\n")
 
     def _supervisor_tail(self) -> str:
         with contextlib.suppress(OSError):
@@ -225,6 +269,8 @@ class RealNode:
     def stop(self, timeout: float = 60) -> None:
         """Stop the node (SIGTERM to its supervisor; everything left is killed with its PID
         namespace), then remove its cgroups and its workdir (the logs are kept on failure)."""
+        if self.joins is not None and self.joins.joined is self:
+            self.joins.joined = None
         if self._proc is not None:
             if (pid := self._supervisor_pid()) is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -343,6 +389,13 @@ class RealNode:
         if check and result.returncode != 0:
             raise RealNodeError(f"{name} {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return result
+
+    def named(self, name: str) -> RealNode:
+        """This node or the one joined to it, by its Node's name."""
+        for node in (self, self.joined):
+            if node is not None and node.name == name:
+                return node
+        raise RealNodeError(f"no node {name} in this cluster")
 
     def in_node(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """Run a command in the node's network namespace (as its processes see the network)."""

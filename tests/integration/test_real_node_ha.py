@@ -1,5 +1,7 @@
-"""The webhooks' availability through the chart's Service on a real node, as a client of the API
-server sees it (e2e/realnode/availability.py): what must refuse nothing refuses nothing.
+"""The webhooks' availability through the chart's Service on two real nodes (the second joined to
+the first's cluster, `RealNode(joins=...)`, so the replicas spread and a drained one has somewhere
+to go), as a client of the API server sees it (e2e/realnode/availability.py): what must refuse
+nothing refuses nothing.
 
 - A serving-certificate renewal (a new pair in the Secret the replicas mount, the kubelet
   swapping the files): no connect to the Service or to either replica is refused or fails its
@@ -7,6 +9,9 @@ server sees it (e2e/realnode/availability.py): what must refuse nothing refuses 
   replicas serve the new certificate.
 - `kubectl rollout restart` of the operator (the chart's `maxUnavailable: 0`, readiness probe,
   `preStop` and SIGTERM drain): no admission call is refused.
+- `kubectl drain` of the leader's node, twice (the second time it holds both replicas, and the
+  PDB holds the second until the first one's replacement is ready on the other node): no
+  admission call is refused, and no connect to the Service is refused or fails.
 
 What a SIGKILL costs (the call in flight on the killed process) is measured, not asserted:
 `e2e/bench/bench_realnode_ha.py`.
@@ -33,16 +38,20 @@ def node(request, tmp_path_factory):
     if reason := why_unavailable() or image.why_unavailable():
         support.cannot_run(request, "real-node", reason, once_key="realnode")
     started = RealNode(project_image=True).start()
-    load = None
+    load = worker = None
     try:
+        # Joined before the install, so the scheduler can put the replicas on different nodes.
+        worker = RealNode(joins=started).start()
         install.set_up(started, tmp_path_factory.mktemp("values"), image.name(), VALUES)
         started.load = load = availability.Load(started).start().until_answered()
         yield started
     finally:
         if load is not None:
             load.stop()
+        if worker is not None:
+            worker.stop()
         started.stop()
-        assert started.leftovers() == []
+        assert (worker.leftovers() if worker is not None else []) + started.leftovers() == []
 
 
 def test_a_certificate_renewal_refuses_no_connect_and_no_admission_call(node, tmp_path):
@@ -88,3 +97,22 @@ def test_a_rollout_restart_refuses_no_admission_call(node):
     assert len(after) == 2 and not after & before
     assert len(calls) > 100
     assert availability.Outcomes.refused(calls) == [], availability.Outcomes.refused(calls)[:5]
+
+
+def test_drains_of_the_leaders_node_refuse_no_admission_call_and_no_connect(node, tmp_path):
+    drains = []
+    # The first drain leaves both replicas on the other node, so the second drains a node that
+    # holds both: the PDB lets them go one at a time.
+    for folder in (tmp_path / "first", tmp_path / "second"):
+        folder.mkdir()
+        drain = availability.drain_the_leaders_node(node, node.load, folder)
+        drains.append(drain)
+        after = availability.operator_pods(node)
+        others = {node.name, node.joined.name} - {drain.node}
+        assert {p["spec"]["nodeName"] for p in after} == others, [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in after]
+        assert drain.moved and not drain.moved & {p["metadata"]["name"] for p in after}
+        assert len(drain.calls) > 100
+        assert availability.Outcomes.refused(drain.calls) == [], availability.Outcomes.refused(drain.calls)[:5]
+        assert drain.service["connects"] > 100, drain.service["connects"]
+        assert drain.service["refused"] == 0 and drain.service["failed"] == 0, drain.service["errors"][:5]
+    assert len(drains[1].moved) == 2
