@@ -22,7 +22,10 @@ ConfigMap, the KubeVirt CR's status (phase Deployed and the default architecture
 virt-api and virt-controller read), and the request-header CA virt-api insists on finding in
 `kube-system/extension-apiserver-authentication` (an aggregated API server's setting; the
 subresource API itself is not registered, so `virtctl start` is not available: VMs start by
-`runStrategy`).
+`runStrategy`). virt-api and virt-controller make their requests as the service accounts
+virt-operator gives them (impersonated, with the admin's rights): virt-api keeps a VMI status
+change only from KubeVirt's own accounts, so as the admin virt-controller could never move a
+VMI past `Pending`.
 
 The binaries are built as every Go program of the suite is (`e2e/gobuild.py`), cached beside
 the control plane's, keyed by the Go release and the module's files.
