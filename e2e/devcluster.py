@@ -180,7 +180,8 @@ def hints(kubeconfig: Path, kubectl: Path, dra: bool, containers: Path | None, t
         what = f"a ResourceClaim gpu of class passthrough-{TENANT}, and {VM} naming it" if dra else f"{VM}, hostDevices: FIRST_GPU"
         steps.append((f"kubectl apply -f {tenant_file}", what))
         if dra:
-            steps.append((f"kubectl get resourceclaim -n {TENANT}", "gpu: allocated,reserved"))
+            state = "allocated,reserved" if containers is not None else "pending: no scheduler runs here"
+            steps.append((f"kubectl get resourceclaim -n {TENANT}", f"gpu: {state}"))
         reached = f"{VM} Scheduled, its launcher pod Running" if containers is not None else f"{VM} Scheduling: no kubelet here runs its launcher pod"
         steps.append((f"kubectl get vmi,pods -n {TENANT}", reached))
     width = max(len(command) for command, _ in steps if len(command) < 60)
