@@ -8,7 +8,8 @@ client sees it. `Probe` connects and completes a TLS handshake every 10 ms, from
 network, to the Service's ClusterIP and to each replica's address, and names the certificate
 each handshake met. `renew_certificate` renews the serving certificate as an issuer does.
 The disruptions (a SIGKILL of a replica's process, a kill of its container through the
-runtime, a rollout restart) are the caller's; this counts.
+runtime, a rollout restart) are the caller's; this counts. `drain_the_leaders_node` drains the
+leader's node (two nodes: `RealNode(joins=...)`) and counts.
 """
 
 from __future__ import annotations
@@ -359,6 +360,7 @@ class Drain:
     calls: list[Call]  # the load's, from the drain's start until both replicas were ready elsewhere, and 3 s more
     service: dict  # the connect probe's counts for the Service
     seconds: float  # from the drain's start until both replicas were ready elsewhere
+    held_by_budget: bool  # whether an eviction was answered that it would violate the PDB (kubectl then retries)
 
 
 def drain_the_leaders_node(node: RealNode, load: Load, folder: Path) -> Drain:
@@ -373,7 +375,7 @@ def drain_the_leaders_node(node: RealNode, load: Load, folder: Path) -> Drain:
     try:
         time.sleep(2)
         begun = time.monotonic()
-        node.kubectl("drain", name, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s", timeout=330)
+        result = node.kubectl("drain", name, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s", timeout=330)
         install.wait_for(lambda: drained(node, name, moved), 180, f"the operator moved off {name}")
         seconds = time.monotonic() - begun
         time.sleep(3)
@@ -381,7 +383,7 @@ def drain_the_leaders_node(node: RealNode, load: Load, folder: Path) -> Drain:
     finally:
         counts = probe.stop()
         node.kubectl("uncordon", name)
-    return Drain(name, moved, calls, counts[service], seconds)
+    return Drain(name, moved, calls, counts[service], seconds, "disruption budget" in result.stdout + result.stderr)
 
 
 def drained(node: RealNode, name: str, before: set[str]) -> bool:

@@ -115,4 +115,4 @@ def test_drains_of_the_leaders_node_refuse_no_admission_call_and_no_connect(node
         assert availability.Outcomes.refused(drain.calls) == [], availability.Outcomes.refused(drain.calls)[:5]
         assert drain.service["connects"] > 100, drain.service["connects"]
         assert drain.service["refused"] == 0 and drain.service["failed"] == 0, drain.service["errors"][:5]
-    assert len(drains[1].moved) == 2
+    assert len(drains[1].moved) == 2 and drains[1].held_by_budget
