@@ -27,3 +27,13 @@ def test_the_readme_shows_the_first_steps_make_run_prints_as_printed():
     shown = [line for line in printed_block() if line.startswith("  kubectl ")]
     assert shown and shown == steps[: len(shown)], shown
     assert "Use the cluster from another shell:" in printed_block()
+
+
+def test_the_vms_the_readme_and_the_dev_cluster_page_apply_are_those_make_run_writes():
+    # The walkthrough's here-documents, as the integration test extracts and runs them.
+    from tests.integration.test_make_run import applied, readme_and_page
+
+    for dra in (False, True):
+        heredocs = applied(readme_and_page(dra))
+        assert len(heredocs) == 2, heredocs  # the README's and the page's
+        assert all(objects == devcluster.tenant_objects(dra) for objects in heredocs), (dra, heredocs)
