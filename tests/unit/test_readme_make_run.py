@@ -1,5 +1,6 @@
 """The README's "`make run` prints" block is what `make run` prints: its devices and the first
-steps of its walkthrough, as `e2e.devcluster` writes them."""
+steps of its walkthrough, as `e2e.devcluster` writes them; and the VMs the README's and the dev
+cluster page's walkthroughs apply are the objects make run writes."""
 
 from pathlib import Path
 
