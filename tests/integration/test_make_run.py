@@ -313,6 +313,15 @@ def test_the_dev_cluster_comes_up_answers_and_stops_without_leftovers(request, c
         [grep] = [line.split("   #")[0].strip() for line in output.splitlines() if line.strip().startswith("grep ")]
         shown = subprocess.run(["bash", "-c", grep], capture_output=True, text=True, timeout=30).stdout
         assert f'"{resource_env_name(resource)}":"0000:3b:00.0"' in shown, shown
+        # The README's refusal: the same VM in another namespace, before any instance or pod.
+        assert kubectl("create", "namespace", "team-b").returncode == 0
+        [vm] = devcluster.tenant_objects(dra=False)
+        refused = kubectl("apply", "-f", "-", stdin=json.dumps({**vm, "metadata": {**vm["metadata"], "namespace": "team-b"}}))
+        said = re.search(r'(admission webhook "[^"]+" denied the request:)\n(VirtualMachine team-b/vm1: passthrough.io/pci-9ace36ad)\.\.\.( is not [^\n]+)',
+                         (REPO / "README.md").read_text())  # fmt: skip
+        assert said and refused.returncode != 0, refused.stdout
+        assert all(part in refused.stderr for part in said.groups()), (said.groups(), refused.stderr)
+        assert "No resources found" in kubectl("get", "vmi,pods", "-n", "team-b").stderr
         attached = kubectl("get", "pci", "-n", devcluster.TENANT, devcluster.FIRST_GPU, "-o",
                            'jsonpath={.status.conditions[?(@.type=="Attached")].message}')  # fmt: skip
         assert f"VirtualMachine {devcluster.TENANT}/{devcluster.VM}" in attached.stdout, attached.stdout
