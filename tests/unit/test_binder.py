@@ -222,6 +222,50 @@ async def test_a_binder_container_restarted_behind_a_blocked_write_takes_the_nex
                 proc.wait(10)
 
 
+def newest_child(pid: int) -> int:
+    """The process `pid` forked last (the binder's child for the agent's newest connection)."""
+    children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    return max(children, key=lambda c: int(open(f"/proc/{c}/stat").read().rsplit(")", 1)[1].split()[19]))
+
+
+async def test_a_binder_container_killed_with_a_write_blocked_fails_jobs_one_by_one_until_it_is_back(tmp_path):
+    """The container killed as a whole (its idle child for the agent's open connection too; the
+    blocked one stays in the kernel): the next job fails as that job's own BindFailed, never as
+    an error of the whole scan, and the job after the container is back goes to the new one."""
+    host = gpu_node(tmp_path / "host")
+    socket = tmp_path / "run" / "binder.sock"
+    first, second = start_binder(socket, host), None
+    fifo = block_unbind(host, "nvidia")
+    binder = Binder(deadline=1.5, socket=socket)
+    try:
+        with pytest.raises(BindError) as e:
+            await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+        assert e.value.reason == "WriteBlocked"
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        idle = newest_child(first.pid)
+        first.kill()
+        os.kill(idle, 9)
+        first.wait(10)
+        with pytest.raises(BindError) as e:
+            await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2)
+        assert e.value.reason == "BindFailed" and "binder container" in str(e.value), e.value
+        # The blocked child must not keep the container's socket listening for nobody: the next
+        # job is told at once that nobody answers, not left waiting for a greeting.
+        with pytest.raises(BindError) as e:
+            await asyncio.wait_for(binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2), 10)
+        assert e.value.reason == "BindFailed" and "does not answer" in str(e.value), e.value
+        second = start_binder(socket, host)
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        assert binder.overdue_addresses() == {GPU, AUDIO}  # the old write still counts until it returns
+    finally:
+        await asyncio.to_thread(let_go, fifo)
+        await binder.close()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+
+
 async def test_a_binder_container_that_is_not_there_is_said_with_what_to_look_at(tmp_path):
     host = gpu_node(tmp_path / "host")
     binder = Binder(socket=tmp_path / "nobody.sock")

@@ -190,7 +190,9 @@ class Binder:
         return _outcome(answer)
 
     async def _ready_worker(self, roots: Roots) -> asyncio.subprocess.Process:
-        if self._worker is not None and self._worker.returncode is None:
+        # A worker whose output has ended is gone though nobody waited for it: a child that died,
+        # or a binder container's child killed with its container (a crash, an OOM kill).
+        if self._worker is not None and self._worker.returncode is None and not self._worker.stdout.at_eof():
             return self._worker
         if self.socket is not None:
             try:
@@ -202,12 +204,17 @@ class Binder:
             worker = await asyncio.create_subprocess_exec(
                 *self.command, *roots_arguments(roots), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
             )
+        # A binder container's child answers at once (a fork, no start-up): waiting longer than a
+        # job may take would hold the scan on a container that accepts and never serves.
+        connected = isinstance(worker, _Connection)
+        limit = min(self.start_timeout, self.deadline) if connected else self.start_timeout
         try:
-            async with asyncio.timeout(self.start_timeout):
+            async with asyncio.timeout(limit):
                 hello = await self._answer(worker)
         except TimeoutError:
             worker.kill()
-            raise BindError("BindFailed", f"the binder process did not start within {self.start_timeout:g} s") from None
+            what = "the binder container took the connection but did not answer" if connected else "the binder process did not start"
+            raise BindError("BindFailed", f"{what} within {limit:g} s") from None
         if not hello.get("ready"):
             worker.kill()
             raise BindError("BindFailed", f"the binder process started wrongly: {hello}")
@@ -216,11 +223,17 @@ class Binder:
 
     async def _answer(self, worker: asyncio.subprocess.Process) -> dict[str, Any]:
         assert worker.stdout is not None
-        line = await worker.stdout.readline()
+        try:
+            line = await worker.stdout.readline()
+        except ConnectionError:  # the binder container's child went with the job unanswered
+            line = b""
         if not line:
             code = await worker.wait()
             if worker is self._worker:
                 self._worker = None
+            if isinstance(worker, _Connection):
+                raise BindError("BindFailed", "the binder container's connection ended before it answered (was the container "
+                                "restarted? kubectl logs <agent pod> -c binder --previous)")  # fmt: skip
             raise BindError("BindFailed", f"the binder process exited (code {code}) before it answered; the agent's log says why")
         return json.loads(line)
 
@@ -367,6 +380,13 @@ class _Connection:
 class _Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
     block_on_close = False  # a child blocked in the kernel must not hold up the container's stop
     roots: Roots
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        # In the child (ForkingMixIn forks first): the listening socket is its parent's. A child
+        # that kept it, blocked in the kernel after its container was killed, would keep the
+        # socket accepting connections nobody serves, and the agent would wait on each one.
+        self.socket.close()
+        super().finish_request(request, client_address)
 
 
 class _Handler(socketserver.StreamRequestHandler):
