@@ -19,7 +19,6 @@ from passthrough.agent.loop import CONNECTIONS, Agent, AgentError
 from passthrough.agent.metrics import AGENT, AGENT_STATE
 from passthrough.agent.mode import Mode, chosen, kept
 from passthrough.api.labels import DRA_MODE, MODE_LABEL, SERVING_LABEL
-from passthrough.deviceplugin import podresources
 from passthrough.durations import DurationError, parse_duration
 from passthrough.kube.client import ApiError, session_of
 from passthrough.kube.connect import CannotStart, session, smaller_tls_buffers
@@ -157,6 +156,8 @@ async def held_as(serving: str, args: argparse.Namespace) -> list[str]:
 
         prepared = load_checkpoint(Path(args.kubelet_dir) / "plugins" / DRIVER)
         return sorted(f"claim {c.namespace}/{c.name}" for c in prepared.values())
+    from passthrough.deviceplugin import podresources  # gRPC, for a switch from device plugins only
+
     try:
         kubelet = await podresources.view(Path(args.pod_resources_socket))
     except podresources.PodResourcesUnavailable as exc:
