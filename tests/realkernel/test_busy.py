@@ -62,13 +62,14 @@ for pid in filter(str.isdigit, os.listdir('/proc')):
         stat = open(f'/proc/{pid}/stat').read()
     except OSError:
         continue
-    if b'passthrough.pci.binder' in cmdline:
+    if b'passthrough.pci.binder' in cmdline or (b'binder' in cmdline and any(a.startswith(b'--listen=') for a in cmdline)):
         result[pid] = stat.rsplit(')', 1)[1].split()[0]
 """
 
 
 def binder_states(guest) -> dict[str, str]:
-    """The agent's binder children in the guest: pid -> state (D: blocked in the kernel)."""
+    """The binder's processes in the guest, the agent's children (`python -m passthrough.pci.binder`)
+    or the binder container's (`passthrough binder --listen`): pid -> state (D: blocked in the kernel)."""
     return guest.python(_BINDERS)
 
 

@@ -23,13 +23,13 @@ import pytest
 from e2e import chart, image, oci
 from e2e.guest.kernel import DEFAULT_SERIES, RigUnavailable, kernel
 from e2e.guest.machine import AUDIO, DISPLAY, E1000E, EDU, address, boot
-from e2e.guest.node import assign, drivers, ready, wait, wait_drivers
+from e2e.guest.node import assign, condition, drivers, ready, wait, wait_drivers
 from e2e.guest.realnode import GuestRealNode
 from e2e.guest.vmm import NestedVmm
 from e2e.realnode import build as nodebuild
 from e2e.realnode import images
 from tests.realkernel.conftest import WRITE_DEADLINE, _absent
-from tests.realkernel.test_busy import hold_sound_device, served
+from tests.realkernel.test_busy import binder_states, hold_sound_device, served
 
 # The module's first test also boots the guest and starts the node (about 4 min here).
 pytestmark = [pytest.mark.realkernel, pytest.mark.timeout(1200)]
@@ -238,6 +238,74 @@ def test_the_agent_pod_serves_other_devices_while_a_write_is_blocked(podnode, ag
     assign(podnode, DISPLAY_FN, "")
     assign(podnode, EDU_FN, "")
     wait_drivers(guest, {DISPLAY_FN: DISPLAY.driver, AUDIO_FN: AUDIO.driver, EDU_FN: EDU.driver}, timeout=240)
+
+
+def container(agent: Agent, name: str) -> dict:
+    """A container's status in the agent's pod."""
+    statuses = agent.node.pod(agent.namespace, agent.name).get("status", {}).get("containerStatuses") or []
+    return next((s for s in statuses if s["name"] == name), {})
+
+
+def _stopping(node: GuestRealNode, agent: Agent, before: dict) -> str:
+    """Where a container's stop stands: its status, the runtime's tasks, the processes, the logs."""
+    cid = before["containerID"].split("://", 1)[1]
+    logs = "\n".join(f"--- {name}:\n" + "\n".join(line for line in process.output(4000).splitlines() if cid[:12] in line or "binder" in line)[-3000:]
+                     for name, process in node.processes.items() if name in ("kubelet", "containerd"))  # fmt: skip
+    tasks = node.ctr("tasks", "ls", check=False).stdout
+    processes = node.guest.sh("ps -eo pid,ppid,stat,wchan:32,args | grep -v ' \\['", check=False).stdout[-3000:]
+    return f"--- status: {json.dumps(container(agent, 'binder'))}\n--- tasks:\n{tasks}\n--- processes:\n{processes}\n{logs}"
+
+
+def test_a_binder_container_killed_behind_a_blocked_write_comes_back_when_the_write_returns(podnode, agent, tenant):
+    """The kernel does not end a process blocked in this write (snd_hda_intel's remove waits, not
+    killably, for the sound device's users), and the runtime keeps a container until every process
+    of it has ended. So the binder's container, killed (a crash, an OOM kill) while a child of it
+    is blocked, stays until the holder lets go, and then comes back by itself: no node reboot. A
+    shared process namespace does not change that (its cgroup still holds the child). Meanwhile
+    the agent serves what is bound and says why a new assignment waits."""
+    guest = podnode.guest
+    assign(podnode, EDU_FN, tenant)
+    wait_drivers(guest, {EDU_FN: "vfio-pci"}, timeout=240)
+    wait(lambda: served(podnode, EDU_FN), 240, "edu handed out and Ready")
+    holder = hold_sound_device(guest, AUDIO_FN)
+    try:
+        assign(podnode, DISPLAY_FN, tenant)
+        wait(lambda: ready(podnode, DISPLAY_FN, "WriteBlocked"), 240, "Ready=False/WriteBlocked")
+        before = container(agent, "binder")
+        assert "D" in binder_states(guest).values(), "no binder process blocked in the kernel"
+        podnode.ctr("tasks", "kill", "--signal", "SIGKILL", before["containerID"].split("://", 1)[1])
+        # The binder is gone (a new job finds nobody listening), the agent goes on without it.
+        waiting = time.monotonic()
+        assign(podnode, DUAL[0], tenant)
+        try:
+            said = wait(lambda: ready(podnode, DUAL[0], "BindFailed"), 240, "the new assignment's BindFailed")
+        except AssertionError as exc:
+            found = {a: condition(podnode.devices()[a], "Ready") for a in (DUAL[0], DISPLAY_FN)}
+            raise AssertionError(f"{exc}: {found}\n{_stopping(podnode, agent, before)}\n{agent.logs()}") from None
+        assert "the binder container" in said["message"], said
+        TIMINGS["binder killed behind a blocked write: a new assignment says why it waits"] = time.monotonic() - waiting
+        edu = podnode.devices()[EDU_FN]
+        assert served(podnode, EDU_FN), f"the bound device stopped being served without the binder: {edu['status']}\n{agent.logs()}"
+        assert container(agent, "binder").get("restartCount", 0) == before.get("restartCount", 0), \
+            "the binder container came back while its child is blocked: this test's account of the runtime is wrong"
+        assert "D" in binder_states(guest).values(), "the write returned: the test proves nothing"
+    finally:
+        holder.stop()
+    let_go = time.monotonic()
+    try:
+        wait(lambda: container(agent, "binder").get("restartCount", 0) > before.get("restartCount", 0)
+             and "running" in container(agent, "binder").get("state", {}), 240,
+             "the binder container running again once the write returned")  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_stopping(podnode, agent, before)}") from None
+    TIMINGS["binder killed behind a blocked write: running again after the holder let go"] = time.monotonic() - let_go
+    wait_drivers(guest, {DISPLAY_FN: "vfio-pci", AUDIO_FN: "vfio-pci", **dict.fromkeys(DUAL, "vfio-pci")}, timeout=240)
+    wait(lambda: served(podnode, DISPLAY_FN) and served(podnode, DUAL[0]), 240, "the display and the dual NIC Ready")
+    TIMINGS["binder killed behind a blocked write: both waiting groups Ready after the holder let go"] = time.monotonic() - let_go
+    for address_ in (DISPLAY_FN, DUAL[0], EDU_FN):
+        assign(podnode, address_, "")
+    wait_drivers(guest, {DISPLAY_FN: DISPLAY.driver, AUDIO_FN: AUDIO.driver, EDU_FN: EDU.driver,
+                         **dict.fromkeys(DUAL, E1000E.driver)}, timeout=240)  # fmt: skip
 
 
 def test_the_agent_pod_deleted_as_a_rollout_does_loses_nothing(podnode, agent, tenant):

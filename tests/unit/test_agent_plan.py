@@ -52,6 +52,14 @@ def test_gpus_of_a_node_in_gpu_mode_go_to_vfio_with_their_whole_group(gpu_node):
     assert wanted.wanted == {"0000:3b:00.0", "0000:af:00.0"}
 
 
+def test_a_group_already_on_vfio_pci_needs_no_job_and_a_half_bound_one_does(gpu_node):
+    devices, names = gpu_node
+    bound = on_vfio(devices, "0000:3b:00.0", "0000:3b:00.1", "0000:af:00.0")
+    wanted = plan.plan(bound, {}, names, in_gpu_mode=True)
+    assert wanted.bind == {21: ("0000:af:00.0", "0000:af:00.1")}  # the audio function of 21 is not there yet
+    assert wanted.wanted == {"0000:3b:00.0", "0000:af:00.0"}  # still wanted: served, never given back
+
+
 def test_a_node_outside_gpu_mode_binds_only_assigned_devices(gpu_node):
     devices, names = gpu_node
     assert plan.plan(devices, {}, names, in_gpu_mode=False).bind == {}

@@ -10,9 +10,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from passthrough.agent import plan as node_plan
 from passthrough.agent import report
 from passthrough.agent.handover import Handover, Outcome, held_elsewhere, other_plugin, served_elsewhere
+from passthrough.pci.binder import BinderAway
 from passthrough.pci.discovery import Discovery
 
 HELD_RECHECK = 5.0  # seconds between asking the kubelet whether a device to give back is still held
+BINDER_AWAY_RECHECK = 5.0  # seconds between tries while the binder container does not answer
 
 
 class Moves:
@@ -66,7 +68,13 @@ class Moves:
             self._again.cancel()
             self._again = None
         loop = asyncio.get_running_loop()
-        if outcome.failures or outcome.release_failures:
+        failures = [*outcome.failures.values(), *outcome.release_failures.values()]
+        # A blocked write's own end wakes a scan; what else failed decides when to look again.
+        others = [f for f in failures if f.reason != "WriteBlocked"]
+        if others and all(isinstance(f, BinderAway) for f in others):
+            # The binder container restarting: ask again soon, it may be back any second.
+            self._again = loop.call_later(BINDER_AWAY_RECHECK, self._wake)
+        elif failures:
             # A refusing driver, vfio-pci not loaded: try again, backing off to the rescan interval.
             delay = min(5 * 2**self._retry, self.rescan_interval)
             self._retry += 1

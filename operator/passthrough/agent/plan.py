@@ -173,7 +173,10 @@ def plan(
             # decides (a give-back now would make it not Ready, and the hand-out waits for Ready).
             continue
         if any(m.address in want for m in members):
-            bind[group] = tuple(sorted(m.address for m in members))
+            # A group already on vfio-pci needs no job: the binder would write nothing, and a
+            # binder away for a while (its container restarting) must not unserve what is bound.
+            if any(m.driver != VFIO_DRIVER for m in members):
+                bind[group] = tuple(sorted(m.address for m in members))
             continue
         mine = tuple(sorted(m.address for m in members if m.address in ours and m.driver == VFIO_DRIVER))
         if mine:

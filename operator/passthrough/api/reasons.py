@@ -95,8 +95,13 @@ REASONS: dict[str, Reason] = {
     "WriteBlocked": Reason(
         "A sysfs write for the device (unbind, bind, driver_override) has not returned: the kernel or a "
         "driver is stuck on it.",
-        "Read the node's kernel log (dmesg) for the driver's complaint; the agent carries on with other "
-        "devices and tells when the write returns. A reboot clears a write stuck for good.",
+        "Find what holds the device (a process with its sound or GPU device open, a VMM) and stop it; the "
+        "node's kernel log (dmesg) names the driver that waits. The agent carries on with other devices and "
+        "tells when the write returns. Should the agent's binder container be restarted meanwhile (a crash, "
+        "an OOM kill), it comes back only once the write returns: the kernel does not end a process blocked "
+        "in it, and the runtime keeps a container until all its processes have ended; until then new binds "
+        "and give-backs are BindFailed ('the binder container does not answer') and what is bound stays "
+        "served. A reboot clears a write stuck for good.",
         _READY, _NODE_SAYS,
     ),
     "BindFailed": Reason(

@@ -48,6 +48,15 @@ DEADLINE = 15.0  # seconds one job may take: writes of 1-140 ms, polls, the wait
 START_TIMEOUT = 120.0  # seconds a child may take to start (a Python start; slow under emulation)
 
 
+class BinderAway(BindError):
+    """The binder container is not there to take the job (restarting, or stopped behind a write the
+    kernel holds): BindFailed, asked again soon rather than after a growing back-off, as it may be
+    back any second and each try is one local connect."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("BindFailed", message)
+
+
 @dataclass
 class Overdue:
     """A job whose write has not returned by its deadline."""
@@ -198,8 +207,8 @@ class Binder:
             try:
                 worker: Any = _Connection(*await asyncio.open_unix_connection(str(self.socket)))
             except OSError as exc:
-                raise BindError("BindFailed", f"the binder container does not answer on {self.socket} ({exc.strerror or exc}): "
-                                "is its container running? (kubectl logs <agent pod> -c binder)") from None  # fmt: skip
+                raise BinderAway(f"the binder container does not answer on {self.socket} ({exc.strerror or exc}): "
+                                 "is its container running? (kubectl logs <agent pod> -c binder)") from None  # fmt: skip
         else:
             worker = await asyncio.create_subprocess_exec(
                 *self.command, *roots_arguments(roots), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
@@ -232,8 +241,8 @@ class Binder:
             if worker is self._worker:
                 self._worker = None
             if isinstance(worker, _Connection):
-                raise BindError("BindFailed", "the binder container's connection ended before it answered (was the container "
-                                "restarted? kubectl logs <agent pod> -c binder --previous)")  # fmt: skip
+                raise BinderAway("the binder container's connection ended before it answered (was the container "
+                                 "restarted? kubectl logs <agent pod> -c binder --previous)")  # fmt: skip
             raise BindError("BindFailed", f"the binder process exited (code {code}) before it answered; the agent's log says why")
         return json.loads(line)
 
