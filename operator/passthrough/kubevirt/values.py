@@ -134,6 +134,11 @@ def _where(loc: Sequence[Any]) -> str:
 
 def _pydantic_message(error: Mapping[str, Any]) -> str:
     kind, got = error["type"], _describe(error.get("input"))
+    if error["loc"][-1:] == (KEY,):
+        if kind == "string_type":
+            kind = "invalid_key"
+        else:
+            return f"has the key {got}: {_pydantic_message({**error, 'loc': error['loc'][:-1]})}"
     bound = (error.get("ctx") or {})
     if kind == "literal_error" and tuple(error["loc"]) == ("gpu", "variant"):
         return f"{got} is not a known variant; use one of: {', '.join(VARIANTS)}"
@@ -160,9 +165,14 @@ def _pydantic_message(error: Mapping[str, Any]) -> str:
     return messages.get(kind) or f"{error['msg'].replace('Input should be', 'expected')} (got {got})"
 
 
+KEY = "[key]"  # the last step of pydantic's path to a refused key of a dict field: (..., key, "[key]")
+
+
 def _problem_loc(error: Mapping[str, Any]) -> Sequence[Any]:
     # A key that is not a string is a problem of the mapping that holds it: its path ends in
     # the key itself, which no admin could write as a path.
+    if error["loc"][-1:] == (KEY,):
+        return error["loc"][:-2]
     return error["loc"][:-1] if error["type"] == "invalid_key" else error["loc"]
 
 
@@ -241,7 +251,14 @@ def parse_values(data: Any) -> PassthroughConfigSpec:
     try:
         spec = PassthroughConfigSpec.model_validate(data)
     except ValidationError as e:
-        for error in e.errors():
+        errors = e.errors()
+        # A mapping's key that pydantic refused (its path ends in "[key]"): what it says of the
+        # value under that key is left out, the key being the problem.
+        refused_keys = [tuple(error["loc"][:-1]) for error in errors if error["loc"][-1:] == (KEY,)]
+        for error in errors:
+            loc = tuple(error["loc"])
+            if loc[-1:] != (KEY,) and any(loc[: len(key)] == key for key in refused_keys):
+                continue
             problems.cover(_where(_problem_loc(error)), _pydantic_message(error))
         # The parts that did parse are checked too, so that one run lists everything.
         gpu, kubevirt = _mapping(data, "gpu"), _mapping(data, "kubevirt")
