@@ -75,8 +75,11 @@ _COUNTER_START = """
 import threading, time
 path = args['path']
 seen = []
-def read():
-    last = open(path).read()
+# The value before the fault is read here, before this returns and the fault is made: read in the
+# thread, it could come after the kernel had counted, and the change would never be seen.
+first = open(path).read()
+state['stop:' + path] = False  # an earlier watch of the same file stopped it
+def read(last=first):
     while not state.get('stop:' + path):
         now = open(path).read()
         if now != last:
@@ -85,6 +88,7 @@ def read():
         time.sleep(0.005)
 threading.Thread(target=read, daemon=True).start()
 state['counter:' + path] = seen
+result = first
 """
 _COUNTER_READ = """
 result = list(state['counter:' + args['path']])
@@ -98,7 +102,7 @@ class CounterWatch:
 
     def __init__(self, guest: Guest, path: str) -> None:
         self.guest, self.path = guest, path
-        guest.python(_COUNTER_START, path=path)
+        self.first: str = guest.python(_COUNTER_START, path=path)  # its value when the watch began
 
     def changes(self) -> list[tuple[float, str]]:
         """Every change seen, and the watch stopped."""

@@ -79,7 +79,7 @@ def test_a_fatal_aer_error_makes_a_served_device_unhealthy_within_a_second(guest
         at = wait(lambda: watch.first(lambda d: d.get(AER_FN) == "Unhealthy", before), 30, "ListAndWatch: Unhealthy")
         counted = counter.changes()
     latency = at - before
-    assert counted and counted[0][1].strip() == "1", counted
+    assert counted and int(counted[0][1]) == int(counter.first) + 1, (counter.first, counted)
     kernel = counted[0][0] - before
     found = wait(lambda: ready(node, AER_FN, "Unhealthy"), 60, "Ready=False/Unhealthy", node)
     assert found["status"] == "False" and "new fatal AER error" in found["message"], found
