@@ -32,6 +32,24 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15)
     return proc.returncode
 
 
+def start_binder(socket: Path, host, **popen) -> subprocess.Popen:
+    """`passthrough binder --listen=socket` over the fixture `host` (its own roots), as the chart's
+    binder containers run beside the agent; returns once it listens. A socket file left by an
+    earlier one is removed first, as a restarted container's is its own, made anew."""
+    socket.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={socket}", f"--sysfs-root={host.sysfs}",
+                             f"--dev-root={host.dev}", f"--proc-root={host.proc}"],
+                            **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **popen})  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not socket.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            output = proc.communicate()[0] if proc.stdout else b""
+            raise RuntimeError(f"the binder did not listen on {socket}: {(output or b'').decode()[-3000:]}")
+        time.sleep(0.05)
+    return proc
+
+
 class WebhookServing:
     """What the chart's webhook Secret holds, for a webhook on 127.0.0.1: a CA and a serving
     certificate it signed (tls.crt, tls.key, ca.crt in `directory`), and a free port.

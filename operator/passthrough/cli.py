@@ -175,9 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--binder-socket",
+        action="append",
         metavar="FILE",
         help="write sysfs through `passthrough binder` listening there (a container of its own that may write /sys), "
-        "not through a child of this process",
+        "not through a child of this process; may be repeated, in order of preference: each new connection goes to the "
+        "first that answers",
     )
     p.add_argument(
         "--write-deadline",

@@ -26,7 +26,7 @@ from kubernetes_asyncio import client
 from e2e import chart, fakesysfs, identities, support
 from e2e.chart import CHART, template
 from e2e.fakekernel import FakeKernel
-from e2e.processes import OperatorProcess, WebhookServing
+from e2e.processes import OperatorProcess, WebhookServing, start_binder
 from passthrough import __version__
 from passthrough.api import crds
 from passthrough.api.models import PassthroughConfigSpec
@@ -136,9 +136,15 @@ def test_default_values_render_the_models_defaults_and_two_operator_replicas(hel
                             {"name": "SSL_CERT_FILE", "value": "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"}]  # fmt: skip
     assert {"--sysfs-root=/host/sys", "--dev-root=/host/dev", "--state-dir=/run/passthrough",
             "--binder-socket=/run/passthrough-binder/binder.sock"} <= set(agent["command"])  # fmt: skip
-    assert container(objects, "DaemonSet", "binder")["command"] == [
-        "passthrough", "binder", "--listen=/run/passthrough-binder/binder.sock", "--sysfs-root=/host/sys",
-        "--dev-root=/host/dev", "--proc-root=/host/proc"]  # fmt: skip
+    # Two binder containers, in the agent's order of preference: the standby binds while the first
+    # cannot restart (killed while a child of it is blocked in the kernel).
+    assert [a for a in agent["command"] if a.startswith("--binder-socket=")] == [
+        "--binder-socket=/run/passthrough-binder/binder.sock", "--binder-socket=/run/passthrough-binder/standby.sock"]
+    assert [c["name"] for c in daemonset["containers"]] == ["agent", "binder", "binder-standby"]
+    for name, socket in (("binder", "binder.sock"), ("binder-standby", "standby.sock")):
+        assert container(objects, "DaemonSet", name)["command"] == [
+            "passthrough", "binder", f"--listen=/run/passthrough-binder/{socket}", "--sysfs-root=/host/sys",
+            "--dev-root=/host/dev", "--proc-root=/host/proc"]  # fmt: skip
     assert "--no-pool-resources" not in agent["command"] and "--sriov-virtual-functions" not in agent["command"]
 
 
@@ -180,16 +186,21 @@ def test_the_agent_pod_has_only_the_privilege_binding_needs(helm):
     }
     # The binder container, which does the bind sequence alone: writable only /sys/bus/pci
     # (unbind, drivers_probe) and /sys/devices (driver_override).
-    binder = container(objects, "DaemonSet", "binder")
-    assert binder["securityContext"] == security
-    assert agent_mounts(daemonset, binder) == {
-        "/run/passthrough-binder": ("(emptyDir)", False),
-        "/host/sys": ("/sys", "recursive"),
-        "/host/sys/bus/pci": ("/sys/bus/pci", False),
-        "/host/sys/devices": ("/sys/devices", False),
-        "/host/proc": ("/proc", "recursive"),
-        "/host/dev/vfio": ("/dev/vfio", True),
-    }
+    # Its standby is the same in all but its name and socket.
+    for name in ("binder", "binder-standby"):
+        binder = container(objects, "DaemonSet", name)
+        assert binder["securityContext"] == security, name
+        assert agent_mounts(daemonset, binder) == {
+            "/run/passthrough-binder": ("(emptyDir)", False),
+            "/host/sys": ("/sys", "recursive"),
+            "/host/sys/bus/pci": ("/sys/bus/pci", False),
+            "/host/sys/devices": ("/sys/devices", False),
+            "/host/proc": ("/proc", "recursive"),
+            "/host/dev/vfio": ("/dev/vfio", True),
+        }, name
+    first, standby = container(objects, "DaemonSet", "binder"), container(objects, "DaemonSet", "binder-standby")
+    assert {k: v for k, v in standby.items() if k not in ("name", "command")} == {k: v for k, v in first.items() if k not in ("name", "command")}
+    assert [a for a in standby["command"] if not a.startswith("--listen=")] == [a for a in first["command"] if not a.startswith("--listen=")]
 
 
 def test_the_agents_network_apparmor_and_read_only_mounts_can_be_loosened_per_cluster(helm, tmp_path):
@@ -496,10 +507,12 @@ def test_both_accounts_may_review_a_metrics_scraper_and_the_reader_role_grants_o
 
 
 def command_line(objects: list[dict], kind: str, *overrides: str) -> list[str]:
-    """The rendered container command, run with this venv's python; later flags override earlier ones."""
+    """The rendered container command, run with this venv's python, without the rendered flags that
+    `overrides` name again (a repeatable flag such as --binder-socket would add up, not override)."""
     command = container(objects, kind)["command"]
     assert command[0] == "passthrough"
-    return [sys.executable, "-m", "passthrough", *command[1:], *overrides]
+    named = {o.split("=", 1)[0] for o in overrides if o.startswith("--")}
+    return [sys.executable, "-m", "passthrough", *(a for a in command[1:] if a.split("=", 1)[0] not in named), *overrides]
 
 
 def denied_lines(log: str) -> list[str]:
@@ -550,9 +563,7 @@ async def agent(api, cluster, release, node, tmp_path_factory):
     kernel = FakeKernel(host).start()
     # The DaemonSet's binder container: the bind sequence, through the socket the agent names.
     binder_socket = root / "binder.sock"
-    binder = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={binder_socket}",
-                               f"--sysfs-root={host.sysfs}", f"--dev-root={host.root / 'dev'}", f"--proc-root={host.proc}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+    binder = start_binder(binder_socket, host, stdout=subprocess.DEVNULL)
     env = dict(os.environ)
     for var in container(release["objects"], "DaemonSet")["env"]:
         if var["name"] == "SSL_CERT_FILE":  # the service account's CA: here, the local cluster's

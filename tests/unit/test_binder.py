@@ -9,13 +9,15 @@ returns only once the device's holder lets go.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
 import pytest
 
 from e2e.fakesysfs import FakeHost, gpu_node
-from passthrough.pci.binder import Binder
+from e2e.processes import start_binder
+from passthrough.pci.binder import Binder, BinderAway
 from passthrough.pci.vfio import BindError
 
 GPU, AUDIO = "0000:3b:00.0", "0000:3b:00.1"
@@ -149,23 +151,6 @@ async def test_what_a_bind_that_returned_late_moved_is_kept_for_the_agents_recor
             await binder.close()
 
 
-def start_binder(socket, host):
-    """`passthrough binder --listen` as its own process, as the chart runs it beside the agent,
-    over `host` (its own roots); returns once it listens."""
-    import subprocess
-    import sys
-
-    socket.unlink(missing_ok=True)  # a restarted container's socket file is its own, made anew
-    proc = subprocess.Popen([sys.executable, "-m", "passthrough", "binder", f"--listen={socket}", f"--sysfs-root={host.sysfs}",
-                             f"--dev-root={host.dev}", f"--proc-root={host.proc}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not socket.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
-        time.sleep(0.05)
-    return proc
-
-
 @pytest.fixture
 def binder_container(tmp_path):
     """The binder container over the host at tmp_path/host."""
@@ -179,7 +164,7 @@ async def test_through_a_binder_container_a_blocked_write_holds_up_only_its_own_
     host = FakeHost.existing(tmp_path / "host")  # the one the binder container works on
     fifo = block_unbind(host, "nvidia")
     finished = asyncio.Event()
-    binder = Binder(deadline=1.5, on_finished=finished.set, socket=binder_container)
+    binder = Binder(deadline=1.5, on_finished=finished.set, sockets=[binder_container])
     try:
         with pytest.raises(BindError) as e:
             await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
@@ -201,7 +186,7 @@ async def test_a_binder_container_restarted_behind_a_blocked_write_takes_the_nex
     first, second = start_binder(socket, host), None
     fifo = block_unbind(host, "nvidia")
     finished = asyncio.Event()
-    binder = Binder(deadline=1.5, on_finished=finished.set, socket=socket)
+    binder = Binder(deadline=1.5, on_finished=finished.set, sockets=[socket])
     try:
         with pytest.raises(BindError) as e:
             await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
@@ -236,7 +221,7 @@ async def test_a_binder_container_killed_with_a_write_blocked_fails_jobs_one_by_
     socket = tmp_path / "run" / "binder.sock"
     first, second = start_binder(socket, host), None
     fifo = block_unbind(host, "nvidia")
-    binder = Binder(deadline=1.5, socket=socket)
+    binder = Binder(deadline=1.5, sockets=[socket])
     try:
         with pytest.raises(BindError) as e:
             await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
@@ -253,7 +238,7 @@ async def test_a_binder_container_killed_with_a_write_blocked_fails_jobs_one_by_
         # job is told at once that nobody answers, not left waiting for a greeting.
         with pytest.raises(BindError) as e:
             await asyncio.wait_for(binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2), 10)
-        assert e.value.reason == "BindFailed" and "does not answer" in str(e.value), e.value
+        assert e.value.reason == "BindFailed" and f"no binder container answers: {socket} (" in str(e.value), e.value
         second = start_binder(socket, host)
         assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
         assert binder.overdue_addresses() == {GPU, AUDIO}  # the old write still counts until it returns
@@ -266,9 +251,102 @@ async def test_a_binder_container_killed_with_a_write_blocked_fails_jobs_one_by_
                 proc.wait(10)
 
 
+def children(pid: int) -> list[int]:
+    return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def kill_container(proc, blocked: tuple[int, ...] = ()) -> None:
+    """A binder container killed as a whole (a crash, an OOM kill), but for its children `blocked`
+    in a write, which the kernel keeps."""
+    idle = [c for c in children(proc.pid) if c not in blocked]
+    proc.kill()
+    for child in idle:
+        os.kill(child, 9)
+    proc.wait(10)
+
+
+async def test_a_standby_binder_container_takes_the_jobs_while_the_first_is_killed_behind_a_blocked_write(tmp_path):
+    """The chart's two binder containers: the first killed while a child of it is blocked cannot
+    restart until the write returns (the runtime waits for that child); the standby takes the
+    next jobs meanwhile, the first takes them again once it is back, and with both away the job
+    says which sockets did not answer and why."""
+    host = gpu_node(tmp_path / "host")
+    first_socket, standby_socket = tmp_path / "run" / "binder.sock", tmp_path / "run" / "standby.sock"
+    first, standby, again = start_binder(first_socket, host), start_binder(standby_socket, host), None
+    fifo = block_unbind(host, "nvidia")
+    binder = Binder(deadline=1.5, sockets=[first_socket, standby_socket])
+    try:
+        with pytest.raises(BindError) as e:
+            await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
+        assert e.value.reason == "WriteBlocked"
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        assert len(children(first.pid)) == 2 and children(standby.pid) == []  # the blocked child, the idle one: the first's
+        kill_container(first, blocked=tuple(c for c in children(first.pid) if c != newest_child(first.pid)))
+        # The job on the connection the kill ended is that job's BinderAway (asked again in 5 s).
+        with pytest.raises(BinderAway) as e:
+            await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2)
+        assert f"connection on {first_socket} ended" in str(e.value), e.value
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        assert len(children(standby.pid)) == 1, "the job was not done by the standby"
+        assert binder.overdue_addresses() == {GPU, AUDIO}  # the first's blocked write still counts
+        # The first back (its write returned, the runtime restarts it): preferred again, and the
+        # standby's child for the agent's connection is let go.
+        again = start_binder(first_socket, host)
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        assert len(children(again.pid)) == 1, "the job did not go to the first again"
+        while children(standby.pid):
+            await asyncio.sleep(0.05)  # its connection closed: the child exits (else the test's timeout)
+        # Both away: the job says each socket and why, and what to look at.
+        kill_container(again)
+        kill_container(standby)
+        for _ in range(2):  # the first may be the job on the connection the kill ended
+            with pytest.raises(BinderAway) as e:
+                await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2)
+        message = str(e.value)
+        assert f"no binder container answers: {first_socket} (Connection refused); {standby_socket} (Connection refused)" in message, message
+        assert "kubectl logs <agent pod> -c binder, -c binder-standby" in message
+    finally:
+        await asyncio.to_thread(let_go, fifo)
+        await binder.close()
+        for proc in (first, standby, again):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+
+
+async def test_a_binder_container_that_takes_connections_and_never_greets_is_tried_last(tmp_path):
+    """A binder container that accepts but does not answer (stopped, starved) costs one job its
+    greeting's wait, not every job: the standby takes the jobs without asking it again."""
+    import socket as sockets
+
+    host = gpu_node(tmp_path / "host")
+    silent_socket, standby_socket = tmp_path / "run" / "binder.sock", tmp_path / "run" / "standby.sock"
+    standby = start_binder(standby_socket, host)
+    silent = sockets.socket(sockets.AF_UNIX)
+    silent.bind(str(silent_socket))
+    silent.listen(8)
+    binder = Binder(deadline=1.0, sockets=[silent_socket, standby_socket])
+    try:
+        for _ in range(3):
+            assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        binder._worker.kill()  # the standby's connection ends: the next job connects anew
+        assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
+        silent.setblocking(False)
+        accepted = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                accepted.append(silent.accept()[0])
+        assert len(accepted) == 1, f"the silent binder was asked {len(accepted)} times"
+    finally:
+        await binder.close()
+        silent.close()
+        standby.terminate()
+        standby.wait(10)
+
+
 async def test_a_binder_container_that_is_not_there_is_said_with_what_to_look_at(tmp_path):
     host = gpu_node(tmp_path / "host")
-    binder = Binder(socket=tmp_path / "nobody.sock")
+    binder = Binder(sockets=[tmp_path / "nobody.sock"])
     with pytest.raises(BindError) as e:
         await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
     assert e.value.reason == "BindFailed" and "kubectl logs <agent pod> -c binder" in str(e.value)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from passthrough.agent import metrics
 from passthrough.agent.bound import Bound
@@ -79,14 +80,14 @@ class Handover:
         bind_timeout: float = 5.0,
         state_dir: Path | None = None,
         write_deadline: float = DEADLINE,
-        binder_socket: Path | None = None,
+        binder_sockets: Sequence[Path] = (),
     ) -> None:
         self.sysfs_root, self.dev_root = Path(sysfs_root), Path(dev_root)
         self.pod_resources_socket = Path(pod_resources_socket)
         self.serve_pools = serve_pools
         self.bind_timeout = bind_timeout
         self.bound = Bound(state_dir)
-        self.binder = Binder(write_deadline, on_finished=self._wake, socket=binder_socket)
+        self.binder = Binder(write_deadline, on_finished=self._wake, sockets=binder_sockets)
         self.health = Health(self.sysfs_root, self.dev_root)
         self.unhealthy: dict[str, str] = {}  # address -> why, as the plugins last reported it
         self.on_change = None  # called when a late write returns or a served device's health flips

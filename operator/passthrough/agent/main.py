@@ -47,7 +47,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
                 serve_pools=args.pool_resources,
                 state_dir=Path(args.state_dir),
                 write_deadline=deadline,
-                binder_socket=Path(args.binder_socket) if args.binder_socket else None,
+                binder_sockets=binder_sockets(args),
             )
             confine(handover.binder, args)
         agent = Agent(
@@ -85,7 +85,7 @@ async def _main(args: argparse.Namespace, rescan: float, deadline: float, jitter
 
             driver = Driver(api, args.node_name, Path(args.sysfs_root), Path(args.proc_root), Path(args.dev_root),
                             agent.pci_ids, Path(args.kubelet_dir), Path(args.cdi_dir), rescan, args.sriov_virtual_functions,
-                            deadline)  # fmt: skip
+                            deadline, binder_sockets=binder_sockets(args))  # fmt: skip
             confine(driver.binder, args)
             driver.preparer.on_drivers_moved = agent.trigger  # a prepare or give-back moved drivers: report them now
             loop.add_signal_handler(signal.SIGHUP, lambda: (agent.trigger(), driver.trigger()))
@@ -167,6 +167,11 @@ async def held_as(serving: str, args: argparse.Namespace) -> list[str]:
     bound = Bound(Path(args.state_dir)).devices  # what the device plugins' agent bound: its pools' GPUs too
     return sorted({f"pod {h.namespace}/{h.pod} ({h.resource})" for device, holders in kubelet.holders.items() for h in holders
                    if h.resource.startswith(f"{EXCLUSIVE_DOMAIN}/") or device in bound or h.resource not in served})  # fmt: skip
+
+
+def binder_sockets(args: argparse.Namespace) -> list[Path]:
+    """The binder containers, in order of preference (none: the agent's own child writes sysfs)."""
+    return [Path(socket) for socket in args.binder_socket or ()]
 
 
 def confine(binder: Binder, args: argparse.Namespace) -> None:

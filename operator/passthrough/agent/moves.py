@@ -14,7 +14,7 @@ from passthrough.pci.binder import BinderAway
 from passthrough.pci.discovery import Discovery
 
 HELD_RECHECK = 5.0  # seconds between asking the kubelet whether a device to give back is still held
-BINDER_AWAY_RECHECK = 5.0  # seconds between tries while the binder container does not answer
+BINDER_AWAY_RECHECK = 5.0  # seconds between tries while no binder container answers
 
 
 class Moves:
@@ -72,7 +72,7 @@ class Moves:
         # A blocked write's own end wakes a scan; what else failed decides when to look again.
         others = [f for f in failures if f.reason != "WriteBlocked"]
         if others and all(isinstance(f, BinderAway) for f in others):
-            # The binder container restarting: ask again soon, it may be back any second.
+            # No binder container answering (restarting): ask again soon, one may be back any second.
             self._again = loop.call_later(BINDER_AWAY_RECHECK, self._wake)
         elif failures:
             # A refusing driver, vfio-pci not loaded: try again, backing off to the rescan interval.

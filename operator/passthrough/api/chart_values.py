@@ -180,7 +180,9 @@ class AgentValues(PodValues):
     )
     devicePlugin: DevicePluginValues = Field(description="What the agent does besides reporting devices.")
     binderResources: Resources | None = Field(
-        default=None, description="The binder container's requests and limits (it writes sysfs for the agent)."
+        default=None,
+        description="The requests and limits of each binder container, binder and binder-standby (they write "
+        "sysfs for the agent).",
     )
 
 

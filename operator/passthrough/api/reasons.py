@@ -99,8 +99,8 @@ REASONS: dict[str, Reason] = {
         "node's kernel log (dmesg) names the driver that waits. The agent carries on with other devices and "
         "tells when the write returns. Should the agent's binder container be restarted meanwhile (a crash, "
         "an OOM kill), it comes back only once the write returns: the kernel does not end a process blocked "
-        "in it, and the runtime keeps a container until all its processes have ended; until then new binds "
-        "and give-backs are BindFailed ('the binder container does not answer') and what is bound stays "
+        "in it, and the runtime keeps a container until all its processes have ended; until then the agent "
+        "pod's binder-standby container takes the node's new binds and give-backs, and what is bound stays "
         "served. A reboot clears a write stuck for good.",
         _READY, _NODE_SAYS,
     ),

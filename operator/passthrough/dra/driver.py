@@ -60,7 +60,7 @@ import functools
 import logging
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
         virtual_functions: bool = False,
         write_deadline: float = DEADLINE,
         bind_timeout: float = 5.0,
+        binder_sockets: Sequence[Path] = (),
     ) -> None:
         self.session = session_of(api)
         self.node_name = node_name
@@ -136,7 +137,7 @@ class Driver(dra_grpc.DRAPluginServicer, health_grpc.DRAResourceHealthServicer):
         self.rescan_interval = rescan_interval
         self.virtual_functions = virtual_functions
         self.bind_timeout = bind_timeout
-        self.binder = Binder(write_deadline, on_finished=self.trigger)
+        self.binder = Binder(write_deadline, on_finished=self.trigger, sockets=binder_sockets)
         self.devices = Mirror(Custom(api, NODE_PCI_DEVICE_PLURAL), label_selector=f"{NODE_LABEL}={node_name}")
         self.slices = Mirror(Custom(api, dra_slice.PLURAL, group="resource.k8s.io", version="v1"),
                              label_selector=f"{NODE_LABEL}={node_name}")  # fmt: skip

@@ -12,8 +12,11 @@ The child is `python -m passthrough.pci.binder --sysfs-root=... --dev-root=... -
 where the agent itself may not write sysfs (the chart's least-privilege pod: its container
 sees the host's /sys read-only), `passthrough binder --listen SOCKET` runs in a container of
 its own that may, and forks a child per connection that speaks the same lines: the agent's
-`Binder(socket=...)` connects instead of starting a child, and sets a blocked connection aside
-just as it sets a blocked child aside.
+`Binder(sockets=...)` connects instead of starting a child, and sets a blocked connection aside
+just as it sets a blocked child aside. The sockets are binder containers in order of preference
+(the chart runs two, `binder` and `binder-standby`): a container killed while a child of it is
+blocked in the kernel cannot restart until that write returns, and meanwhile the next one takes
+the new connections.
 
 Either way the binder judges each job itself (`pci.jobs`): its roots are those of its own
 command line, never the job's, and it writes only the bind files below its sysfs root, never
@@ -33,7 +36,7 @@ import signal
 import socketserver
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -46,12 +49,15 @@ log = logging.getLogger(__name__)
 
 DEADLINE = 15.0  # seconds one job may take: writes of 1-140 ms, polls, the wait for /dev/vfio/<group>
 START_TIMEOUT = 120.0  # seconds a child may take to start (a Python start; slow under emulation)
+# Seconds a binder container that took a connection but did not greet is tried after the others:
+# each try waits for its greeting, and a job should not wait for it again and again.
+SLOW_GREETING_SET_BACK = 60.0
 
 
 class BinderAway(BindError):
-    """The binder container is not there to take the job (restarting, or stopped behind a write the
-    kernel holds): BindFailed, asked again soon rather than after a growing back-off, as it may be
-    back any second and each try is one local connect."""
+    """No binder container is there to take the job (restarting, or stopped behind a write the
+    kernel holds), or the one that took it went: BindFailed, asked again soon rather than after a
+    growing back-off, as one may be back any second and each try is one local connect."""
 
     def __init__(self, message: str) -> None:
         super().__init__("BindFailed", message)
@@ -89,12 +95,14 @@ class Binder:
         start_timeout: float = START_TIMEOUT,
         on_finished: Callable[[], None] | None = None,
         command: tuple[str, ...] = (sys.executable, "-m", "passthrough.pci.binder"),
-        socket: Path | None = None,
+        sockets: Sequence[Path] = (),
         proc_root: Path = Path("/proc"),
         virtual_functions: bool = False,
     ) -> None:
         self.deadline = deadline
-        self.socket = socket
+        # Binder containers, in order of preference; none: a child of this process.
+        self.sockets = tuple(Path(s) for s in sockets)
+        self._slow: dict[Path, float] = {}  # socket -> when it last took a connection and did not greet
         # The child's roots besides the sysfs and /dev of the jobs, as the agent's own (a binder
         # container has its own on its command line).
         self.proc_root = Path(proc_root)
@@ -201,34 +209,73 @@ class Binder:
     async def _ready_worker(self, roots: Roots) -> asyncio.subprocess.Process:
         # A worker whose output has ended is gone though nobody waited for it: a child that died,
         # or a binder container's child killed with its container (a crash, an OOM kill).
-        if self._worker is not None and self._worker.returncode is None and not self._worker.stdout.at_eof():
-            return self._worker
-        if self.socket is not None:
-            try:
-                worker: Any = _Connection(*await asyncio.open_unix_connection(str(self.socket)))
-            except OSError as exc:
-                raise BinderAway(f"the binder container does not answer on {self.socket} ({exc.strerror or exc}): "
-                                 "is its container running? (kubectl logs <agent pod> -c binder)") from None  # fmt: skip
+        worker = self._worker
+        if worker is not None and (worker.returncode is not None or worker.stdout.at_eof()):
+            worker = self._worker = None
+        if not self.sockets:
+            if worker is None:
+                worker = await asyncio.create_subprocess_exec(
+                    *self.command, *roots_arguments(roots), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+                )
+                try:
+                    await self._greeted(worker, self.start_timeout)
+                except TimeoutError:
+                    raise BindError("BindFailed", f"the binder process did not start within {self.start_timeout:g} s") from None
+                self._worker = worker
+            return worker
+        # A connection to a standby is kept only until a container preferred to it answers again:
+        # the preferred one is back (its blocked write returned), and takes the jobs as before.
+        # One that took a connection and did not greet lately is tried last, and not while another serves.
+        now = time.monotonic()
+        slow = {s for s, since in self._slow.items() if now - since < SLOW_GREETING_SET_BACK}
+        if worker is None:
+            tried = sorted(self.sockets, key=lambda s: s in slow)
         else:
-            worker = await asyncio.create_subprocess_exec(
-                *self.command, *roots_arguments(roots), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-            )
+            tried = [s for s in self.sockets[: self.sockets.index(worker.socket)] if s not in slow]
+        away = []
+        for socket in tried:
+            try:
+                found = await self._connect(socket)
+            except BindError as exc:
+                away.append(f"{socket} ({exc})")
+                continue
+            if worker is not None:
+                worker.kill()  # idle: its child in the standby exits
+            self._worker = found
+            return found
+        if worker is not None:
+            return worker
+        raise BinderAway(f"no binder container answers: {'; '.join(away)}. Are the agent pod's binder containers "
+                         "running? (kubectl describe pod <agent pod>; kubectl logs <agent pod> -c binder, "
+                         "-c binder-standby)")  # fmt: skip
+
+    async def _connect(self, socket: Path) -> _Connection:
+        try:
+            worker = _Connection(socket, *await asyncio.open_unix_connection(str(socket)))
+        except OSError as exc:
+            raise BindError("BindFailed", exc.strerror or str(exc)) from None
         # A binder container's child answers at once (a fork, no start-up): waiting longer than a
         # job may take would hold the scan on a container that accepts and never serves.
-        connected = isinstance(worker, _Connection)
-        limit = min(self.start_timeout, self.deadline) if connected else self.start_timeout
+        limit = min(self.start_timeout, self.deadline)
+        try:
+            await self._greeted(worker, limit)
+        except TimeoutError:
+            self._slow[socket] = time.monotonic()  # tried after the others for a while
+            raise BindError("BindFailed", f"it took the connection but did not answer within {limit:g} s") from None
+        self._slow.pop(socket, None)
+        return worker
+
+    async def _greeted(self, worker: Any, limit: float) -> None:
+        """The worker's hello; TimeoutError (the worker killed) when none comes within `limit` s."""
         try:
             async with asyncio.timeout(limit):
                 hello = await self._answer(worker)
         except TimeoutError:
             worker.kill()
-            what = "the binder container took the connection but did not answer" if connected else "the binder process did not start"
-            raise BindError("BindFailed", f"{what} within {limit:g} s") from None
+            raise
         if not hello.get("ready"):
             worker.kill()
             raise BindError("BindFailed", f"the binder process started wrongly: {hello}")
-        self._worker = worker
-        return worker
 
     async def _answer(self, worker: asyncio.subprocess.Process) -> dict[str, Any]:
         assert worker.stdout is not None
@@ -241,8 +288,9 @@ class Binder:
             if worker is self._worker:
                 self._worker = None
             if isinstance(worker, _Connection):
-                raise BinderAway("the binder container's connection ended before it answered (was the container "
-                                 "restarted? kubectl logs <agent pod> -c binder --previous)")  # fmt: skip
+                raise BinderAway(f"the binder container's connection on {worker.socket} ended before it answered (was "
+                                 "the container restarted? kubectl logs <agent pod> -c binder --previous, or "
+                                 "-c binder-standby --previous)")  # fmt: skip
             raise BindError("BindFailed", f"the binder process exited (code {code}) before it answered; the agent's log says why")
         return json.loads(line)
 
@@ -372,7 +420,8 @@ def main() -> None:
 class _Connection:
     """A connection to a binder container, shaped like the child process it stands in for."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, socket: Path, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.socket = socket
         self.stdout, self.stdin = reader, writer
         self.returncode: int | None = None
 
