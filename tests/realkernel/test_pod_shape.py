@@ -1,10 +1,11 @@
 """The node's guarantees with the agent's binder as the chart shapes it, on a real kernel.
 
-The chart runs the bind sequence in the agent pod's `binder` container: uid 0, no capability, no
-new privileges, RuntimeDefault seccomp, a read-only root, the runtime's default device rules
-(no /dev/vfio/<group> among them) and the mounts of the rendered DaemonSet. Here that container
-is runc (built by e2e/oci.py) in the guest, its config made from `helm template`'s DaemonSet;
-the agent beside it is the real agent process with `--binder-socket`, on a node of its own (the
+The chart runs the bind sequence in the agent pod's `binder` container and its identical
+`binder-standby`: uid 0, no capability, no new privileges, RuntimeDefault seccomp, a read-only
+root, the runtime's default device rules (no /dev/vfio/<group> among them) and the mounts of the
+rendered DaemonSet. Here those containers are runc (built by e2e/oci.py) in the guest, their
+configs made from `helm template`'s DaemonSet; the agent beside them is the real agent process
+with a `--binder-socket` for each, in the chart's order, on a node of its own (the
 real kubelet in the guest, `rk-shape-<id>`). The bare-root agent of the other real-kernel tests
 opens the group node and sees a VMM's EBUSY; this container gets EPERM instead, and must still
 never unbind a group a VMM holds.
@@ -80,17 +81,17 @@ def daemonset(tmp_path_factory):
 
 
 class Binder:
-    """The chart's `binder` container, run by runc in the guest."""
+    """One of the chart's binder containers (`binder`, `binder-standby`), run by runc in the guest."""
 
-    def __init__(self, guest, runc, template, name: str) -> None:
+    def __init__(self, guest, runc, template, name: str, container: str = "binder") -> None:
         self.guest, self.runc, self.name = guest, str(runc), name
         self.bundle = f"/run/{name}"
-        command = oci.container(template, "binder")["command"]
+        command = oci.container(template, container)["command"]
         assert command[0] == "passthrough", command  # the image's entry point: here the checkout's
         argv = [str(guest.python_path), "-m", "passthrough.cli", *command[1:]]
-        guest.python(_BUNDLE, template=template, container="binder", dir=self.bundle, argv=argv, cgroup=f"/{name}")
+        guest.python(_BUNDLE, template=template, container=container, dir=self.bundle, argv=argv, cgroup=f"/{name}")
         listen = next(a.split("=", 1)[1] for a in command if a.startswith("--listen="))
-        mount = next(m for m in oci.container(template, "binder")["volumeMounts"] if listen.startswith(m["mountPath"] + "/"))
+        mount = next(m for m in oci.container(template, container)["volumeMounts"] if listen.startswith(m["mountPath"] + "/"))
         self.socket = f"{self.bundle}/volumes/{mount['name']}{listen[len(mount['mountPath']):]}"
         self.process = guest.spawn(name, [self.runc, "--root", "/run/runc", "run", "--bundle", self.bundle, name])
         wait(lambda: self._listening() or self._exited(), 120, f"the binder container to listen on {self.socket}")
@@ -116,41 +117,46 @@ class Binder:
 
 @pytest.fixture(scope="module")
 def shaped(guest, cluster, operator, runc, daemonset):
-    """Node rk-shape-<id>: the real kubelet, the binder container, the agent that uses it."""
+    """Node rk-shape-<id>: the real kubelet, the binder containers, the agent that uses them."""
     name = f"rk-shape-{uuid.uuid4().hex[:6]}"
     node = GuestNode(guest, cluster, name)
-    binder = None
+    binders: list[Binder] = []
     try:
         started = time.monotonic()
-        binder = Binder(guest, runc, daemonset, f"binder-{name}")
-        node.timings["binder container start"] = time.monotonic() - started
+        for container in ("binder", "binder-standby"):
+            binders.append(Binder(guest, runc, daemonset, f"{container}-{name}", container))
+        node.timings["binder containers start"] = time.monotonic() - started
         node.start_kubelet()
-        node.start_agent(f"--write-deadline={WRITE_DEADLINE:g}s", f"--binder-socket={binder.socket}")
+        node.start_agent(f"--write-deadline={WRITE_DEADLINE:g}s", *(f"--binder-socket={b.socket}" for b in binders))
         started = time.monotonic()
         wait(lambda: set(DUAL) <= set(node.devices()), 300, f"the agent on {name} to report", node)
         node.timings["agent first report"] = time.monotonic() - started
-        print(f"\nnode {name} with the chart's binder container: " + ", ".join(f"{k} {v:.1f}s" for k, v in node.timings.items()))
-        yield node, binder
+        print(f"\nnode {name} with the chart's binder containers: " + ", ".join(f"{k} {v:.1f}s" for k, v in node.timings.items()))
+        yield node, binders
     finally:
         try:
             log = node.stop()
         finally:
-            binder_log = binder.stop() if binder is not None else ""
+            binder_logs = [binder.stop() for binder in binders]
     assert "Traceback" not in log, log
-    assert "Traceback" not in binder_log, binder_log
+    for binder_log in binder_logs:
+        assert "Traceback" not in binder_log, binder_log
 
 
 def test_a_group_a_vmm_holds_stays_bound_when_the_binder_runs_as_the_chart_shapes_it(guest, shaped, tenant):
-    node, binder = shaped
+    node, binders = shaped
+    binder = binders[0]
     assign(node, DUAL[0], tenant)
     wait_drivers(guest, dict.fromkeys(DUAL, "vfio-pci"), timeout=240)
     wait(lambda: condition(node.devices()[DUAL[0]], "Ready").get("status") == "True", 120, "the dual NIC Ready", node)
     group = int(guest.sh(f"basename $(readlink /sys/bus/pci/devices/{DUAL[0]}/iommu_group)").stdout)
     probe = [str(guest.python_path), "-c", _PROBE, str(group), *DUAL]
-    alone = json.loads(binder.exec(*probe))
-    # The container as the chart makes it: root without a capability, the group node refused.
-    assert alone["uid"] == 0 and int(alone["caps"], 16) == 0, alone
-    assert alone["open"] == "EPERM" and alone["enable"] == dict.fromkeys(DUAL, 0), alone
+    # Each container as the chart makes it, the standby as the first: root without a capability,
+    # the group node refused.
+    for each in binders:
+        alone = json.loads(each.exec(*probe))
+        assert alone["uid"] == 0 and int(alone["caps"], 16) == 0, (each.name, alone)
+        assert alone["open"] == "EPERM" and alone["enable"] == dict.fromkeys(DUAL, 0), (each.name, alone)
     with NestedVmm(guest, [DUAL[0]]) as vmm:
         held = json.loads(binder.exec(*probe))
         assert held["open"] == "EPERM" and held["enable"][DUAL[0]] >= 1, f"what the binder sees while held: {held}"
@@ -175,7 +181,7 @@ def test_a_write_that_blocks_in_the_binder_container_leaves_the_agent_serving(gu
     """The binder container's child blocks in the kernel (snd_hda_intel's remove waits for an open
     sound device): the agent reports WriteBlocked, binds and serves another device meanwhile, and
     finishes once the holder lets go; the late child's answer finds the agent gone from it."""
-    node, binder = shaped
+    node, _ = shaped
     card = guest.sh(f"ls /sys/bus/pci/devices/{AUDIO_FN}/sound").stdout.split()[0]
     control = f"/dev/snd/controlC{card[len('card'):]}"
     holder = guest.spawn("shape-snd-holder", ["/bin/sh", "-c", f"exec sleep 100000 <{control}"])
