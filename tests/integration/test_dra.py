@@ -3,7 +3,9 @@
 The real kubelet (its DRA manager, its plugin watcher) with the fake CRI runtime, the real
 kube-scheduler (its DRA allocator) and the API server; the agent runs `--dra` as its own process
 over a fixture GPU node whose simulated kernel (`e2e.fakekernel`) moves `driver` links and
-creates `/dev/vfio/<group>` as the bind sequence is written. The fake runtime records the CDI
+creates `/dev/vfio/<group>` as the bind sequence is written, and has its binds done by a
+`passthrough binder` process, as the chart's agent pod has them done by its binder container.
+The fake runtime records the CDI
 device names of each CreateContainer; they are resolved here against the CDI specs the driver
 wrote, as a CDI-enabled containerd or CRI-O does.
 """
@@ -20,7 +22,7 @@ from kubernetes_asyncio import client
 
 from e2e import fakesysfs, support
 from e2e.fakekernel import FakeKernel
-from e2e.processes import AgentProcess
+from e2e.processes import AgentProcess, start_binder, stop
 from e2e.support import created
 from passthrough.dra import cdi
 from passthrough.dra.slice import DRIVER, PCI_BUS_ID, slice_name
@@ -55,14 +57,20 @@ def cdi_dir(kubelet) -> Path:
 @pytest.fixture(scope="module")
 def agent(cluster, kubelet, gpu_host, tmp_path_factory, operator):
     host, _ = gpu_host
-    proc = AgentProcess(cluster, tmp_path_factory.mktemp("agent") / "agent.log", kubelet.node_name, host, PCI_IDS,
+    folder = tmp_path_factory.mktemp("agent")
+    with (folder / "binder.log").open("ab") as log:
+        binder = start_binder(folder / "binder.sock", host, stdout=log)
+    proc = AgentProcess(cluster, folder / "agent.log", kubelet.node_name, host, PCI_IDS,
                         "--dra", f"--kubelet-dir={kubelet.root_dir}", f"--cdi-dir={cdi_dir(kubelet)}",
-                        "--rescan-interval=1s", kubelet=kubelet).start()  # fmt: skip
+                        "--rescan-interval=1s", f"--binder-socket={folder / 'binder.sock'}", kubelet=kubelet).start()  # fmt: skip
+    proc.binder = binder
     yield proc
     code = proc.stop()
     output = proc.output()
+    stop(binder)
     assert code == 0 and "Traceback" not in output, output[-5000:]
     assert not (kubelet.root_dir / "plugins_registry" / f"{DRIVER}-reg.sock").exists()
+    assert "Traceback" not in (folder / "binder.log").read_text()
 
 
 async def live_slice(api, kubelet) -> dict | None:
@@ -186,6 +194,10 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
         # The whole IOMMU group went to vfio-pci, the audio function too, and /dev/vfio/<group> is there.
         assert (host.driver(GPU), host.driver(AUDIO)) == ("vfio-pci", "vfio-pci")
         assert (host.root / "dev" / "vfio" / str(GROUP)).exists()
+        # Moved by the binder (a child of it holds the agent's connection), as the chart's agent
+        # container, which sees sysfs read-only, needs.
+        pid = agent.binder.pid
+        assert Path(f"/proc/{pid}/task/{pid}/children").read_text().split(), "the driver did not ask the binder"
 
         [mount] = edits["mounts"]
         assert mount["containerPath"] == f"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-gpu/gpu/{DRIVER}-metadata.json"

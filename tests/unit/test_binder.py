@@ -272,9 +272,9 @@ async def test_a_standby_binder_container_takes_the_jobs_while_the_first_is_kill
     says which sockets did not answer and why."""
     host = gpu_node(tmp_path / "host")
     first_socket, standby_socket = tmp_path / "run" / "binder.sock", tmp_path / "run" / "standby.sock"
+    binder = Binder(deadline=1.5, sockets=[first_socket, standby_socket])
     first, standby, again = start_binder(first_socket, host), start_binder(standby_socket, host), None
     fifo = block_unbind(host, "nvidia")
-    binder = Binder(deadline=1.5, sockets=[first_socket, standby_socket])
     try:
         with pytest.raises(BindError) as e:
             await binder.bind(host.sysfs, host.dev, 20, [GPU, AUDIO], timeout=0.2)
@@ -321,11 +321,11 @@ async def test_a_binder_container_that_takes_connections_and_never_greets_is_tri
 
     host = gpu_node(tmp_path / "host")
     silent_socket, standby_socket = tmp_path / "run" / "binder.sock", tmp_path / "run" / "standby.sock"
+    binder = Binder(deadline=1.0, sockets=[silent_socket, standby_socket])
     standby = start_binder(standby_socket, host)
     silent = sockets.socket(sockets.AF_UNIX)
     silent.bind(str(silent_socket))
     silent.listen(8)
-    binder = Binder(deadline=1.0, sockets=[silent_socket, standby_socket])
     try:
         for _ in range(3):
             assert await binder.release(host.sysfs, host.dev, 21, [OTHER_GPU, OTHER_AUDIO], timeout=0.2) == 0
