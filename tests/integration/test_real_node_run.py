@@ -44,7 +44,9 @@ def test_make_run_with_a_real_node_shows_the_chart_pods_running_and_stops_clean(
         rows = [line.split() for line in listing.splitlines()[2:] if line.startswith("passthrough-system ")]
         components = sorted(re.match(r"passthrough-(agent|operator)-", row[1]).group(1) for row in rows)
         assert components == ["agent", "operator", "operator"], listing
-        assert all(row[3] == "Running" and row[2] in ("1/1", "2/2") for row in rows), listing
+        # The agent pod's containers: agent, binder, binder-standby; each ready.
+        ready = {"agent": "3/3", "operator": "1/1"}
+        assert all(row[3] == "Running" and row[2] == ready[row[1].split("-")[1]] for row in rows), listing
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(120)
