@@ -32,6 +32,11 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15)
     return proc.returncode
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` forked that still run (a binder's child per connection)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def start_binder(socket: Path, host, **popen) -> subprocess.Popen:
     """`passthrough binder --listen=socket` over the fixture `host` (its own roots), as the chart's
     binder containers run beside the agent; returns once it listens. A socket file left by an

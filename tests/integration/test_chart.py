@@ -186,23 +186,22 @@ def test_the_agent_pod_has_only_the_privilege_binding_needs(helm):
     }
     # The binder container, which does the bind sequence alone: writable only /sys/bus/pci
     # (unbind, drivers_probe) and /sys/devices (driver_override).
-    # Its standby is the same in all but its name and socket.
-    for name in ("binder", "binder-standby"):
-        binder = container(objects, "DaemonSet", name)
-        assert binder["securityContext"] == security, name
-        assert agent_mounts(daemonset, binder) == {
-            "/run/passthrough-binder": ("(emptyDir)", False),
-            "/host/sys": ("/sys", "recursive"),
-            "/host/sys/bus/pci": ("/sys/bus/pci", False),
-            "/host/sys/devices": ("/sys/devices", False),
-            "/host/proc": ("/proc", "recursive"),
-            "/host/dev/vfio": ("/dev/vfio", True),
-        }, name
+    binder = container(objects, "DaemonSet", "binder")
+    assert binder["securityContext"] == security
+    assert agent_mounts(daemonset, binder) == {
+        "/run/passthrough-binder": ("(emptyDir)", False),
+        "/host/sys": ("/sys", "recursive"),
+        "/host/sys/bus/pci": ("/sys/bus/pci", False),
+        "/host/sys/devices": ("/sys/devices", False),
+        "/host/proc": ("/proc", "recursive"),
+        "/host/dev/vfio": ("/dev/vfio", True),
+    }
+
+    # Its standby is the same in all but its name and socket: securityContext and mounts included.
     def but_name_and_socket(c: dict) -> dict:
         return {**c, "name": "", "command": [a for a in c["command"] if not a.startswith("--listen=")]}
 
-    first, standby = container(objects, "DaemonSet", "binder"), container(objects, "DaemonSet", "binder-standby")
-    assert but_name_and_socket(standby) == but_name_and_socket(first)
+    assert but_name_and_socket(container(objects, "DaemonSet", "binder-standby")) == but_name_and_socket(binder)
 
 
 def test_the_agents_network_apparmor_and_read_only_mounts_can_be_loosened_per_cluster(helm, tmp_path):

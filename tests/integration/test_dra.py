@@ -22,7 +22,7 @@ from kubernetes_asyncio import client
 
 from e2e import fakesysfs, support
 from e2e.fakekernel import FakeKernel
-from e2e.processes import AgentProcess, start_binder, stop
+from e2e.processes import AgentProcess, children, start_binder, stop
 from e2e.support import created
 from passthrough.dra import cdi
 from passthrough.dra.slice import DRIVER, PCI_BUS_ID, slice_name
@@ -196,8 +196,7 @@ async def test_an_assigned_gpu_is_published_for_its_namespace_and_a_claim_gets_i
         assert (host.root / "dev" / "vfio" / str(GROUP)).exists()
         # Moved by the binder (a child of it holds the agent's connection), as the chart's agent
         # container, which sees sysfs read-only, needs.
-        pid = agent.binder.pid
-        assert Path(f"/proc/{pid}/task/{pid}/children").read_text().split(), "the driver did not ask the binder"
+        assert children(agent.binder.pid), "the driver did not ask the binder"
 
         [mount] = edits["mounts"]
         assert mount["containerPath"] == f"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm-gpu/gpu/{DRIVER}-metadata.json"

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from e2e.fakesysfs import FakeHost, gpu_node
-from e2e.processes import start_binder
+from e2e.processes import children, start_binder
 from passthrough.pci.binder import Binder, BinderAway
 from passthrough.pci.vfio import BindError
 
@@ -209,8 +209,7 @@ async def test_a_binder_container_restarted_behind_a_blocked_write_takes_the_nex
 
 def newest_child(pid: int) -> int:
     """The process `pid` forked last (the binder's child for the agent's newest connection)."""
-    children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    return max(children, key=lambda c: int(open(f"/proc/{c}/stat").read().rsplit(")", 1)[1].split()[19]))
+    return max(children(pid), key=lambda c: int(open(f"/proc/{c}/stat").read().rsplit(")", 1)[1].split()[19]))
 
 
 async def test_a_binder_container_killed_with_a_write_blocked_fails_jobs_one_by_one_until_it_is_back(tmp_path):
@@ -249,10 +248,6 @@ async def test_a_binder_container_killed_with_a_write_blocked_fails_jobs_one_by_
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(10)
-
-
-def children(pid: int) -> list[int]:
-    return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
 
 def kill_container(proc, blocked: tuple[int, ...] = ()) -> None:
